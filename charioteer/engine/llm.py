@@ -1,0 +1,78 @@
+"""Offline API shaped like vLLM's: LLM(model=...).generate(prompts, params)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.outputs import RequestOutput
+from charioteer.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in prompt order.
+
+        Every prompt is validated before any runs, so one bad prompt raises ValueError and
+        nothing is queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        for request in requests:
+            self.engine.add(request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="requests", unit="req")
+        while any(r is None for r in results):
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    if progress:
+                        progress.update(1)
+        if progress:
+            progress.close()
+        return results
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate."""
+        if not messages:
+            raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...}")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,126 @@
+"""The real-model executor: carries out a Batch plan on a LlamaModel and samples tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from charioteer.memory.block_manager import BlockManager
+from charioteer.model.llama import ForwardInput, KVCache, LlamaModel, PrefillSpan
+from charioteer.model.sampler import Sampler, top_logprobs
+from charioteer.scheduling.batch import Batch, BatchEntry
+
+
+@dataclass
+class BatchResult:
+    tokens: dict[str, int] = field(default_factory=dict)  # request_id -> sampled token
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # for the sampled token
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # new prompt positions
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, blocks: BlockManager) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.device = model.device
+        self.kv = KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device)
+        self.sampler = Sampler()
+
+    def _slots(self, entry: BatchEntry, start: int, end: int) -> torch.Tensor:
+        bs = self.blocks.block_size
+        table = torch.tensor(self.blocks.block_table(entry.request), dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // bs] * bs + pos % bs
+
+    @staticmethod
+    def _wants_prompt_logprobs(entry: BatchEntry) -> bool:
+        r = entry.request
+        # Skip on recompute after preemption: those positions were reported already.
+        return entry.is_prefill and r.params.prompt_logprobs is not None and len(r.prompt_logprobs) <= entry.start
+
+    def prepare(self, batch: Batch) -> tuple[ForwardInput, list[BatchEntry], list[list[int]]]:
+        """Lay the batch out flat (prefills first, then decodes) and say which logits rows each entry needs."""
+        order = batch.prefills + batch.decodes
+        token_ids: list[int] = []
+        positions, slots, prefills = [], [], []
+        flat_rows: list[int] = []  # batch rows whose logits are computed
+        rows_per_entry: list[list[int]] = []  # for each entry, its rows of the logits tensor
+        decode_contexts: list[torch.Tensor] = []
+        offset = 0
+        for entry in order:
+            r, start, end = entry.request, entry.start, entry.end
+            token_ids += [r.token_id_at(start)] if entry.num_tokens == 1 else r.token_slice(start, end)
+            positions.append(torch.arange(start, end))
+            context = self._slots(entry, 0, end)
+            slots.append(context[start:])
+            if entry.is_prefill:
+                mask = None
+                if start > 0:
+                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask))
+            else:
+                decode_contexts.append(context)
+            if self._wants_prompt_logprobs(entry):
+                rows = range(offset, offset + entry.num_tokens)
+            else:
+                rows = [offset + entry.num_tokens - 1] if entry.samples else []
+            rows_per_entry.append(list(range(len(flat_rows), len(flat_rows) + len(rows))))
+            flat_rows.extend(rows)
+            offset += entry.num_tokens
+        decode_slots = decode_mask = None
+        if decode_contexts:
+            lens = torch.tensor([len(c) for c in decode_contexts])
+            width = int(lens.max())
+            decode_slots = torch.full((len(decode_contexts), width), self.kv.pad_slot, dtype=torch.long)
+            for i, c in enumerate(decode_contexts):
+                decode_slots[i, : len(c)] = c
+            decode_mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
+        dev = self.device
+        inp = ForwardInput(
+            token_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            prefills=[self._to_device(p) for p in prefills],
+            num_decodes=len(decode_contexts),
+            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
+        )
+        return inp, order, rows_per_entry
+
+    def _to_device(self, span: PrefillSpan) -> PrefillSpan:
+        if span.context_slots is None or self.device.type == "cpu":
+            return span
+        return PrefillSpan(span.offset, span.num_tokens, span.start_pos, span.context_slots.to(self.device), span.mask.to(self.device))
+
+    def execute(self, batch: Batch, hooks=None) -> BatchResult:
+        inp, order, rows_per_entry = self.prepare(batch)
+        logits = self.model.forward(inp, self.kv, hooks)
+        result = BatchResult()
+        sample_rows, sample_ids, sample_params = [], [], []
+        for entry, rows in zip(order, rows_per_entry):
+            if entry.samples:
+                sample_rows.append(rows[-1])
+                sample_ids.append(entry.request.request_id)
+                sample_params.append(entry.request.params)
+        tokens = self.sampler.sample(logits[sample_rows], sample_ids, sample_params) if sample_rows else []
+        result.tokens = dict(zip(sample_ids, tokens))
+        for entry, rows in zip(order, rows_per_entry):
+            r = entry.request
+            want_prompt = self._wants_prompt_logprobs(entry)
+            want_output = entry.samples and r.params.logprobs is not None
+            if not (want_prompt or want_output):
+                continue
+            logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+            if want_prompt:
+                k = r.params.prompt_logprobs
+                # Row i predicts the token at position start + i + 1.
+                result.prompt_logprobs[r.request_id] = [
+                    top_logprobs(logprobs[i], k, r.prompt_token_ids[pos + 1])
+                    for i, pos in enumerate(range(entry.start, entry.end))
+                    if pos + 1 < r.num_prompt_tokens
+                ]
+            if want_output:
+                token = result.tokens[r.request_id]
+                result.logprobs[r.request_id] = top_logprobs(logprobs[-1], r.params.logprobs, token)
+        return result

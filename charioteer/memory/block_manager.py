@@ -1,0 +1,108 @@
+"""KV-cache accounting: which cache blocks each request owns.
+
+The executor owns the KV tensors (num_blocks * block_size slots per layer); this module only
+decides which slots belong to whom, so the simulator can use it without any tensors.
+
+Two policies:
+- `paged` (default): blocks are taken on demand as a request grows, as in vLLM.
+- `reserve`: the paper's policy; at admission a request reserves room for its maximum length
+  (prompt + max_tokens), so it can never run out later and is never preempted.
+"""
+from __future__ import annotations
+
+from charioteer.request import Request
+
+KV_POLICIES = ("paged", "reserve")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged") -> None:
+        if policy not in KV_POLICIES:
+            raise ValueError(f"unknown kv_policy {policy!r}: choose one of {', '.join(KV_POLICIES)}")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.policy = policy
+        # Stack of free block ids; popping from the end keeps recently freed blocks warm.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def block_table(self, request: Request) -> list[int]:
+        return self._tables.get(request.request_id, [])
+
+    def _blocks_to_admit(self, request: Request, first_tokens: int) -> int:
+        if self.policy == "reserve":
+            return cdiv(request.max_num_tokens, self.block_size)
+        return cdiv(first_tokens, self.block_size)
+
+    def can_admit(self, request: Request, first_tokens: int) -> bool:
+        """Whether a waiting request can start with `first_tokens` tokens in its first batch."""
+        return self._blocks_to_admit(request, first_tokens) <= len(self._free)
+
+    def fits_ever(self, request: Request) -> bool:
+        """Whether the request could run at all with the whole cache to itself."""
+        return cdiv(request.max_num_tokens, self.block_size) <= self.num_blocks
+
+    def admit(self, request: Request, first_tokens: int) -> None:
+        assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
+        self._tables[request.request_id] = []
+        if self.policy == "reserve":
+            self._grow(request, self._blocks_to_admit(request, first_tokens))
+
+    def ensure(self, request: Request, num_tokens: int) -> bool:
+        """Make positions [0, num_tokens) addressable. Returns False (changing nothing) if out of blocks."""
+        table = self._tables[request.request_id]
+        missing = cdiv(num_tokens, self.block_size) - len(table)
+        if missing <= 0:
+            return True
+        if self.policy == "reserve":
+            raise RuntimeError(f"{request.request_id} grew past its reserved {len(table)} blocks")
+        if missing > len(self._free):
+            return False
+        self._grow(request, missing)
+        return True
+
+    def _grow(self, request: Request, n: int) -> None:
+        table = self._tables[request.request_id]
+        for _ in range(n):
+            table.append(self._free.pop())
+
+    def free(self, request: Request) -> None:
+        table = self._tables.pop(request.request_id, None)
+        if table:
+            self._free.extend(reversed(table))
+
+    def slot(self, request: Request, position: int) -> int:
+        table = self._tables[request.request_id]
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """m_kv in the paper: bytes of K and V for one token across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def batch_capacity(memory_bytes: int, weight_bytes: int, max_seq_len: int, kv_token_bytes: int) -> int:
+    """The paper's section 4.3.1: B = floor((M_G - M_S) / (L * m_kv))."""
+    return max(0, (memory_bytes - weight_bytes) // (max_seq_len * kv_token_bytes))

@@ -1,0 +1,161 @@
+"""A LLaMA-family transformer over a flat batch of tokens.
+
+The linear layers (fused QKV, O, fused gate/up, down) run once over every token of the batch.
+Attention runs per request against its own KV cache: each prefill chunk attends causally to its
+cached prefix and to itself (the paper's Figure 6); all decodes run as one padded, masked call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from charioteer.model.config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """One prompt chunk inside the flat batch."""
+
+    offset: int  # first row of the chunk in the flat batch
+    num_tokens: int
+    start_pos: int  # position of its first token in the request
+    context_slots: torch.Tensor | None  # KV slots of positions [0, start_pos + num_tokens); None if start_pos == 0
+    mask: torch.Tensor | None  # [num_tokens, context] causal mask when start_pos > 0
+
+
+@dataclass
+class ForwardInput:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    prefills: list[PrefillSpan]
+    num_decodes: int  # decode tokens are the last rows of the batch
+    decode_slots: torch.Tensor | None  # [D, max_context] padded with the cache's zero slot
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_context]
+    logits_rows: torch.Tensor  # rows whose logits are wanted
+
+
+class KVCache:
+    """K and V for every layer: [layers, 2, slots + 1, kv_heads, head_dim].
+
+    The extra last slot stays zero; padded decode gathers point at it, so masked positions never
+    multiply garbage (0 * NaN would poison the output).
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype=torch.float32) -> None:
+        self.num_slots = num_slots
+        self.pad_slot = num_slots
+        self.data = torch.empty(
+            config.num_layers, 2, num_slots + 1, config.num_kv_heads, config.head_dim, device=device, dtype=dtype
+        )
+        self.data[:, :, self.pad_slot].zero_()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return state_dict[name].to(self.device, torch.float32)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                o=w(p + "self_attn.o_proj.weight"),
+                ffn_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos().to(self.device)
+        self.sin_table = emb.sin().to(self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors += [t for layer in self.layers for t in layer.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:
+        """Run the batch, write its K/V into `kv`, return logits for `inp.logits_rows`.
+
+        `hooks`, if given, is called as hooks(op_name, fn) around each operation, for profiling.
+        """
+        c = self.config
+        run = hooks or (lambda _name, fn: fn())
+        x = self.embed[inp.token_ids]
+        cos = self.cos_table[inp.positions].unsqueeze(1)
+        sin = self.sin_table[inp.positions].unsqueeze(1)
+        q_end, k_end = c.q_size, c.q_size + c.kv_size
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            qkv = run("preproj", lambda: F.linear(h, layer["qkv"]))
+            q = qkv[:, :q_end].view(-1, c.num_heads, c.head_dim)
+            k = qkv[:, q_end:k_end].view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp))
+            x = x + run("postproj", lambda: F.linear(attn, layer["o"]))
+            h = rms_norm(x, layer["ffn_norm"], c.rms_norm_eps)
+            x = x + run("ffn", lambda: self._mlp(h, layer))
+        h = rms_norm(x[inp.logits_rows], self.final_norm, c.rms_norm_eps)
+        return run("lm_head", lambda: F.linear(h, self.lm_head))
+
+    def _mlp(self, h: torch.Tensor, layer: dict) -> torch.Tensor:
+        gate_up = F.linear(h, layer["gate_up"])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer["down"])
+
+    def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput) -> torch.Tensor:
+        c = self.config
+        k_cache, v_cache = layer_kv[0], layer_kv[1]
+        k_cache.index_copy_(0, inp.slot_mapping, k)
+        v_cache.index_copy_(0, inp.slot_mapping, v)
+        out = torch.empty_like(q)
+        for span in inp.prefills:
+            rows = slice(span.offset, span.offset + span.num_tokens)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+            if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
+                ks, vs = k[rows], v[rows]
+                causal, mask = True, None
+            else:
+                ks, vs = k_cache[span.context_slots], v_cache[span.context_slots]
+                causal, mask = False, span.mask
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
+            )
+            out[rows] = o[0].transpose(0, 1)
+        if inp.num_decodes:
+            rows = slice(q.shape[0] - inp.num_decodes, q.shape[0])
+            qd = q[rows].unsqueeze(2)  # [D, heads, 1, dim]
+            kd = k_cache[inp.decode_slots].transpose(1, 2)  # [D, kv_heads, context, dim]
+            vd = v_cache[inp.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=inp.decode_mask, enable_gqa=c.num_kv_heads != c.num_heads
+            )
+            out[rows] = o.squeeze(2)
+        return out.view(q.shape[0], c.q_size)

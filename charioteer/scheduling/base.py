@@ -1,0 +1,146 @@
+"""What every scheduling policy shares: queues, admission, preemption and the state update.
+
+A policy only decides what goes in the next batch (`schedule`). Updating request state when a
+batch returns (`on_batch_done`) is the same for all of them, and so is preemption by recompute:
+free the newest running request's blocks and put it back at the head of the queue.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+
+from charioteer.config import SchedulerConfig
+from charioteer.memory.block_manager import BlockManager
+from charioteer.request import Request, RequestStatus
+from charioteer.scheduling.batch import Batch
+
+
+class Scheduler(ABC):
+    name: str = ""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: newest last
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if not self.blocks.fits_ever(request):
+            raise ValueError(
+                f"request {request.request_id} needs {request.max_num_tokens} tokens of KV cache "
+                f"(prompt {request.num_prompt_tokens} + max_tokens {request.params.max_tokens}) but the "
+                f"whole cache holds {self.blocks.capacity_tokens}: shorten the prompt, lower max_tokens "
+                f"or give the KV cache more memory"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stop, length or abort) and free its KV blocks at once."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.blocks.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+
+    def abort(self, request_id: str) -> Request | None:
+        for request in [*self.running, *self.waiting]:
+            if request.request_id == request_id:
+                self.finish(request, "abort")
+                return request
+        return None
+
+    # ---- building blocks for policies -------------------------------------------------
+
+    def _admit(self, request: Request, first_tokens: int) -> bool:
+        """Move the head of the waiting queue to running if memory allows its first batch."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if not self.blocks.can_admit(request, first_tokens):
+            return False
+        assert self.waiting[0] is request
+        self.waiting.popleft()
+        self.blocks.admit(request, first_tokens)
+        if not self.blocks.ensure(request, request.num_computed_tokens + first_tokens):
+            raise AssertionError("admission checked the blocks it needs")
+        request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        self.running.append(request)
+        return True
+
+    def _preempt(self, request: Request, batch: Batch) -> None:
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        batch.preempted.append(request)
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int, batch: Batch) -> bool:
+        """Make room for `num_tokens` more tokens of `request`, preempting the newest others.
+
+        Requests already placed in `batch` are never preempted. Returns False if `request` itself
+        had to be preempted.
+        """
+        in_batch = {id(e.request) for e in batch.entries}
+        while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
+            victims = [r for r in self.running if id(r) not in in_batch and r is not request]
+            if not victims:
+                self._preempt(request, batch)
+                return False
+            self._preempt(victims[-1], batch)
+        return True
+
+    def _running_decodes(self) -> list[Request]:
+        return [r for r in self.running if not r.in_prefill]
+
+    def _running_prefills(self) -> list[Request]:
+        return [r for r in self.running if r.in_prefill]
+
+    # ---- the contract -----------------------------------------------------------------
+
+    @abstractmethod
+    def schedule(self) -> Batch:
+        """Plan the next batch from the current request state, reserving its KV slots."""
+
+    def on_batch_done(self, batch: Batch, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance every request in `batch`; `sampled` maps request_id to its new token.
+
+        Returns the requests that finished (by stop token or length) with this batch.
+        """
+        now = time.monotonic()
+        finished = []
+        for entry in batch.entries:
+            request = entry.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the batch ran
+            request.num_computed_tokens = entry.end
+            if entry.samples:
+                request.append_output_token(sampled[request.request_id], now)
+                if request.finish_reason is not None:
+                    self.finish(request, request.finish_reason)
+                    finished.append(request)
+        return finished

@@ -1,0 +1,49 @@
+"""Orca: iteration-level scheduling with whole prompts.
+
+Every iteration runs all running requests (one token each for decodes) and admits as many
+waiting prompts, whole, as the batch cap, the token budget and memory allow.
+"""
+from __future__ import annotations
+
+from charioteer.scheduling.base import Scheduler
+from charioteer.scheduling.batch import Batch
+
+
+class OrcaScheduler(Scheduler):
+    name = "orca"
+
+    def add_request(self, request) -> None:
+        budget = self.config.max_num_batched_tokens
+        if budget is not None and request.max_num_tokens > budget:
+            # Whole prompts (and recomputes after preemption) must fit one batch.
+            raise ValueError(
+                f"request {request.request_id} can reach {request.max_num_tokens} tokens but the "
+                f"{self.name} scheduler runs whole prompts and max_num_batched_tokens is {budget}: "
+                f"raise max_num_batched_tokens or use the sarathi scheduler"
+            )
+        super().add_request(request)
+
+    def _add_running(self, batch: Batch, requests) -> None:
+        for request in requests:
+            if request not in self.running:
+                continue  # preempted while this batch was planned
+            num = request.num_remaining_tokens
+            if self._grow_or_preempt(request, num, batch):
+                batch.add(request, num)
+
+    def _admit_whole_prompts(self, batch: Batch) -> None:
+        budget = self.config.max_num_batched_tokens
+        while self.waiting:
+            request = self.waiting[0]
+            num = request.num_remaining_tokens
+            if budget is not None and batch.num_tokens + num > budget:
+                break
+            if not self._admit(request, num):
+                break
+            batch.add(request, num)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        self._add_running(batch, list(self.running))
+        self._admit_whole_prompts(batch)
+        return batch
