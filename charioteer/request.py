@@ -35,6 +35,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
+    in_flight: bool = False  # inside a batch that has not returned yet (pipeline micro-batches)
 
     # Filled by the executor when asked for.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

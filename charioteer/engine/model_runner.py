@@ -15,7 +15,8 @@ from charioteer.scheduling.batch import Batch, BatchEntry
 class BatchResult:
     tokens: dict[str, int] = field(default_factory=dict)  # request_id -> sampled token
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # for the sampled token
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # new prompt positions
+    # request_id -> (first prompt position, logprobs of the prompt tokens from there on)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -35,8 +36,12 @@ class ModelRunner:
     @staticmethod
     def _wants_prompt_logprobs(entry: BatchEntry) -> bool:
         r = entry.request
-        # Skip on recompute after preemption: those positions were reported already.
-        return entry.is_prefill and r.params.prompt_logprobs is not None and len(r.prompt_logprobs) <= entry.start
+        # prompt_logprobs[i] is for prompt position i; skip entries whose positions were all
+        # reported already (a recompute after preemption).
+        return (
+            entry.is_prefill and r.params.prompt_logprobs is not None
+            and len(r.prompt_logprobs) < min(entry.end + 1, r.num_prompt_tokens)
+        )
 
     def prepare(self, batch: Batch) -> tuple[ForwardInput, list[BatchEntry], list[list[int]]]:
         """Lay the batch out flat (prefills first, then decodes) and say which logits rows each entry needs."""
@@ -115,11 +120,11 @@ class ModelRunner:
             if want_prompt:
                 k = r.params.prompt_logprobs
                 # Row i predicts the token at position start + i + 1.
-                result.prompt_logprobs[r.request_id] = [
+                result.prompt_logprobs[r.request_id] = (entry.start + 1, [
                     top_logprobs(logprobs[i], k, r.prompt_token_ids[pos + 1])
                     for i, pos in enumerate(range(entry.start, entry.end))
                     if pos + 1 < r.num_prompt_tokens
-                ]
+                ])
             if want_output:
                 token = result.tokens[r.request_id]
                 result.logprobs[r.request_id] = top_logprobs(logprobs[-1], r.params.logprobs, token)

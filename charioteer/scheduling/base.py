@@ -1,8 +1,12 @@
 """What every scheduling policy shares: queues, admission, preemption and the state update.
 
-A policy only decides what goes in the next batch (`schedule`). Updating request state when a
+A policy only decides what goes in the next batch (`_schedule`). Updating request state when a
 batch returns (`on_batch_done`) is the same for all of them, and so is preemption by recompute:
 free the newest running request's blocks and put it back at the head of the queue.
+
+Several batches may be in flight at once (pipeline micro-batches). A request inside a batch
+that has not returned is skipped by the next plans, is never a preemption victim, and keeps its
+KV blocks until that batch returns, even if it is aborted meanwhile.
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ class Scheduler(ABC):
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.blocks.free(request)
+        if not request.in_flight:  # else on_batch_done frees them, once no stage can write them
+            self.blocks.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.monotonic()
@@ -107,24 +112,35 @@ class Scheduler(ABC):
         """
         in_batch = {id(e.request) for e in batch.entries}
         while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
-            victims = [r for r in self.running if id(r) not in in_batch and r is not request]
+            victims = [r for r in self.running if id(r) not in in_batch and r is not request and not r.in_flight]
             if not victims:
                 self._preempt(request, batch)
                 return False
             self._preempt(victims[-1], batch)
         return True
 
+    def _ready(self) -> list[Request]:
+        """Running requests not inside an in-flight batch."""
+        return [r for r in self.running if not r.in_flight]
+
     def _running_decodes(self) -> list[Request]:
-        return [r for r in self.running if not r.in_prefill]
+        return [r for r in self._ready() if not r.in_prefill]
 
     def _running_prefills(self) -> list[Request]:
-        return [r for r in self.running if r.in_prefill]
+        return [r for r in self._ready() if r.in_prefill]
 
     # ---- the contract -----------------------------------------------------------------
 
     @abstractmethod
+    def _schedule(self) -> Batch:
+        """The policy: plan the next batch from the current state, reserving its KV slots."""
+
     def schedule(self) -> Batch:
-        """Plan the next batch from the current request state, reserving its KV slots."""
+        """Plan the next batch; its requests stay in flight until on_batch_done."""
+        batch = self._schedule()
+        for entry in batch.entries:
+            entry.request.in_flight = True
+        return batch
 
     def on_batch_done(self, batch: Batch, sampled: Mapping[str, int]) -> list[Request]:
         """Advance every request in `batch`; `sampled` maps request_id to its new token.
@@ -135,8 +151,10 @@ class Scheduler(ABC):
         finished = []
         for entry in batch.entries:
             request = entry.request
-            if request.is_finished or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the batch ran
+            request.in_flight = False
+            if request.is_finished:  # aborted while the batch ran
+                self.blocks.free(request)
+                continue
             request.num_computed_tokens = entry.end
             if entry.samples:
                 request.append_output_token(sampled[request.request_id], now)

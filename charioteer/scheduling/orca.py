@@ -42,8 +42,8 @@ class OrcaScheduler(Scheduler):
                 break
             batch.add(request, num)
 
-    def schedule(self) -> Batch:
+    def _schedule(self) -> Batch:
         batch = Batch()
-        self._add_running(batch, list(self.running))
+        self._add_running(batch, self._ready())
         self._admit_whole_prompts(batch)
         return batch

@@ -12,7 +12,7 @@ from charioteer.scheduling.orca import OrcaScheduler
 class RequestLevelScheduler(OrcaScheduler):
     name = "request-level"
 
-    def schedule(self) -> Batch:
+    def _schedule(self) -> Batch:
         batch = Batch()
         if not self.running:
             self._admit_whole_prompts(batch)

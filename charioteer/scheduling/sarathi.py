@@ -52,7 +52,7 @@ class SarathiScheduler(Scheduler):
         batch.add(request, num)
         return True
 
-    def schedule(self) -> Batch:
+    def _schedule(self) -> Batch:
         batch = Batch()
         cap = self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens

@@ -12,7 +12,7 @@ from charioteer.scheduling.orca import OrcaScheduler
 class VLLMScheduler(OrcaScheduler):
     name = "vllm"
 
-    def schedule(self) -> Batch:
+    def _schedule(self) -> Batch:
         batch = Batch()
         self._add_running(batch, self._running_prefills())
         self._admit_whole_prompts(batch)
