@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing by them overflows the logits
+
 
 @dataclass
 class SamplingParams:
@@ -35,11 +38,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

@@ -206,7 +206,11 @@ class LLMEngine:
         if request.request_id in self._streaming:
             shown = self._streaming[request.request_id]
             # Hold back an incomplete UTF-8 sequence until its last byte arrives.
-            visible = text if request.is_finished else text.rstrip("\ufffd")
+            visible = text
+            if not request.is_finished:
+                visible = text.rstrip("\ufffd")
+                if request.params.stop:  # hold back what may be the start of a stop string
+                    visible = visible[: max(0, len(visible) - max(map(len, request.params.stop)) + 1)]
             new_text = visible[shown:]
             self._streaming[request.request_id] = max(shown, len(visible))
         params = request.params

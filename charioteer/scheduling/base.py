@@ -107,13 +107,17 @@ class Scheduler(ABC):
     def _grow_or_preempt(self, request: Request, num_tokens: int, batch: Batch) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others.
 
-        Requests already placed in `batch` are never preempted. Returns False if `request` itself
-        had to be preempted.
+        Requests already placed in `batch` or in flight are never preempted. Returns False if
+        `request` cannot grow now: it was preempted itself, or it waits for in-flight batches.
         """
-        in_batch = {id(e.request) for e in batch.entries}
+        in_batch = None
         while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
+            if in_batch is None:  # built only when memory runs out: this is the hot path
+                in_batch = {id(e.request) for e in batch.entries}
             victims = [r for r in self.running if id(r) not in in_batch and r is not request and not r.in_flight]
             if not victims:
+                if any(r.in_flight for r in self.running if r is not request):
+                    return False  # wait for in-flight batches to return instead of thrashing
                 self._preempt(request, batch)
                 return False
             self._preempt(victims[-1], batch)

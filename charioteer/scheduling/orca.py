@@ -24,10 +24,13 @@ class OrcaScheduler(Scheduler):
         super().add_request(request)
 
     def _add_running(self, batch: Batch, requests) -> None:
+        budget = self.config.max_num_batched_tokens
         for request in requests:
             if request not in self.running:
                 continue  # preempted while this batch was planned
             num = request.num_remaining_tokens
+            if budget is not None and batch.num_tokens + num > budget:
+                continue  # runs in a later batch
             if self._grow_or_preempt(request, num, batch):
                 batch.add(request, num)
 

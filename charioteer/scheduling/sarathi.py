@@ -47,6 +47,8 @@ class SarathiScheduler(Scheduler):
         if admit:
             if not self._admit(request, num):
                 return False
+        elif request.status is not RequestStatus.RUNNING:
+            return False  # preempted by an earlier chunk of this plan
         elif not self._grow_or_preempt(request, num, batch):
             return False
         batch.add(request, num)
