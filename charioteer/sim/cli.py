@@ -1,0 +1,139 @@
+"""`charioteer simulate`: the cluster simulator from the command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from charioteer.config import SCHEDULERS
+from charioteer.sim.specs import (DISPATCH_POLICIES, HARDWARE_PRESETS, MODEL_PRESETS, PP_SCHEDULING, ClusterConfig,
+                                  hardware_spec, model_shape)
+from charioteer.sim.workload import ARRIVAL_KINDS, LENGTH_KINDS, WorkloadSpec
+
+PRESETS = ("paper-fig12",)
+
+
+def add_simulate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "simulate", help="simulate a GPU cluster running the engine's schedulers (e.g. the paper's Figure 12)",
+        description="Event-driven simulation of replicas with tensor and pipeline parallelism, driving the "
+                    "engine's own scheduler classes with a roofline cost model.")
+    p.add_argument("--preset", choices=PRESETS, help="a ready-made experiment (overrides model/cluster/scheduler flags)")
+    p.add_argument("--out", metavar="DIR", help="write summary.json, report.md and PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--validate", action="store_true",
+                   help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
+                        "completion time against a fresh real run (uses --scheduler, --batch-cap, --chunk-size)")
+    g = p.add_argument_group("deployment")
+    g.add_argument("--model", default="llama-13b", help=f"{', '.join(MODEL_PRESETS)}, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'")
+    g.add_argument("--hardware", default="a100-80gb", choices=sorted(HARDWARE_PRESETS))
+    g.add_argument("--replicas", type=int, default=1)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--intra-bw", type=float, default=None, help="intra-node link GB/s per GPU (default 300)")
+    g.add_argument("--intra-lat-us", type=float, default=None, help="intra-node latency, us (default 1)")
+    g.add_argument("--inter-bw", type=float, default=None, help="inter-node link GB/s per GPU (default 25)")
+    g.add_argument("--inter-lat-us", type=float, default=None, help="inter-node latency, us (default 5)")
+    g.add_argument("--dispatch", choices=DISPATCH_POLICIES, default="round-robin")
+    g.add_argument("--pp-scheduling", choices=PP_SCHEDULING, default="virtual-engines")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--scheduler", action="append", choices=SCHEDULERS,
+                   help="scheduler(s) to compare (repeatable; default sarathi)")
+    g.add_argument("--chunk-size", type=int, default=256)
+    g.add_argument("--batch-cap", type=int, default=None, help="default: from the memory planner")
+    g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
+    g.add_argument("--tile-size", type=int, default=None, help="sarathi: align C + decodes to this tile")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=None, help="default 1000 (10000 for paper-fig12)")
+    g.add_argument("--lengths", choices=LENGTH_KINDS, default="zipf")
+    g.add_argument("--min-len", type=int, default=1024)
+    g.add_argument("--max-len", type=int, default=4096)
+    g.add_argument("--theta", type=float, default=0.4)
+    g.add_argument("--pd-ratio", type=float, default=10.0)
+    g.add_argument("--prompt-len", type=int, default=None, help="fixed lengths: prompt tokens")
+    g.add_argument("--decode-len", type=int, default=None, help="fixed lengths: decode tokens")
+    g.add_argument("--arrivals", choices=ARRIVAL_KINDS, default="zero")
+    g.add_argument("--rate", type=float, default=1.0, help="poisson arrivals, requests/s")
+    g.add_argument("--trace", default=None, help="CSV/JSONL with prompt_len, decode_len[, arrival_s]")
+    g.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def _cluster(args) -> ClusterConfig:
+    kw = dict(replicas=args.replicas, tp=args.tp, pp=args.pp, dispatch=args.dispatch, pp_scheduling=args.pp_scheduling)
+    if args.intra_bw is not None:
+        kw["intra_node_bandwidth"] = args.intra_bw * 1e9
+    if args.inter_bw is not None:
+        kw["inter_node_bandwidth"] = args.inter_bw * 1e9
+    if args.intra_lat_us is not None:
+        kw["intra_node_latency"] = args.intra_lat_us * 1e-6
+    if args.inter_lat_us is not None:
+        kw["inter_node_latency"] = args.inter_lat_us * 1e-6
+    return ClusterConfig(**kw)
+
+
+def build_runs(args):
+    from charioteer.sim.runner import RunSpec, paper_fig12_specs
+
+    if args.preset == "paper-fig12":
+        specs, wspec = paper_fig12_specs(num_requests=args.num_requests or 10_000, seed=args.seed)
+        return specs, wspec
+    lengths = args.lengths
+    if args.trace and lengths != "trace" and args.arrivals == "trace":
+        lengths = "trace"
+    wspec = WorkloadSpec(num_requests=args.num_requests or 1000, lengths=lengths, min_len=args.min_len,
+                         max_len=args.max_len, theta=args.theta, pd_ratio=args.pd_ratio, prompt_len=args.prompt_len,
+                         decode_len=args.decode_len, arrivals=args.arrivals, rate=args.rate, trace=args.trace,
+                         seed=args.seed)
+    model, hw, cluster = model_shape(args.model), hardware_spec(args.hardware), _cluster(args)
+    specs = []
+    for policy in args.scheduler or ["sarathi"]:
+        specs.append(RunSpec(f"{policy}-tp{cluster.tp}-pp{cluster.pp}-x{cluster.replicas}", policy, model, hw, cluster,
+                             chunk_size=args.chunk_size, batch_cap=args.batch_cap, max_seq_len=args.max_seq_len,
+                             tile_size=args.tile_size, max_num_batched_tokens=args.max_num_batched_tokens))
+    return specs, wspec
+
+
+def cmd_simulate(args) -> int:
+    from charioteer.sim.report import report_markdown, write_outputs
+    from charioteer.sim.runner import fig12_comparison, run_many
+
+    t0 = time.perf_counter()
+    if args.validate:
+        from charioteer.sim.validate import validate
+
+        report = validate(policy=(args.scheduler or ["sarathi"])[0], batch_cap=args.batch_cap or 8,
+                          chunk_size=args.chunk_size if args.chunk_size != 256 else 64,
+                          num_requests=args.num_requests or 24, seed=args.seed + 1)
+        report["wall_s"] = time.perf_counter() - t0
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(f"per-batch MAPE: {report['per_batch_mape'] * 100:.1f}% over {report['validation_batches']} batches")
+            print(f"completion: measured {report['measured_completion_s']:.2f} s, simulated "
+                  f"{report['simulated_completion_s']:.2f} s, error {report['completion_error'] * 100:.1f}%")
+            print(f"same batch sequence as the engine: {report['same_batch_sequence']}")
+        return 0
+    specs, wspec = build_runs(args)
+    outputs = run_many(specs, wspec, show_progress=not args.no_progress)
+    summaries = [o.summary for o in outputs]
+    payload = {"preset": args.preset, "workload": dataclasses.asdict(wspec), "runs": summaries}
+    if args.preset == "paper-fig12":
+        payload["comparison"] = fig12_comparison(summaries)
+    payload["wall_s"] = time.perf_counter() - t0
+    if args.out:
+        write_outputs(payload, outputs, args.out, paper=args.preset == "paper-fig12")
+        payload["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        json.dump(payload, sys.stdout, indent=2)
+        print()
+    else:
+        print(report_markdown(payload))
+        if args.out:
+            print(f"wrote {args.out}/report.md, summary.json and plots")
+    return 0

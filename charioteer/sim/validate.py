@@ -1,0 +1,186 @@
+"""A cost model profiled on the real engine, and `charioteer simulate --validate`.
+
+`ProfiledCostModel` prices a batch as a sum of per-operation terms whose coefficients come from
+timing the real engine (this CPU), like the paper's simulator (profile, then fit a regression):
+
+    t = c_batch                                   fixed per step: scheduling, sampling, Python
+      + c_entry   * requests in the batch         per-request work: preparation, LM head row, sampling
+      + c_token   * tokens                        linear layers (QKV, O, MLP) per token
+      + c_prefill * sum over prefill entries of c * (k + (c + 1) / 2)   causal attention work
+      + c_decode  * sum over decodes of context   decode attention (K/V reads)
+
+The coefficients are fitted by non-negative least squares on *calibration* runs (a different
+workload and seed from the validation run) and can be saved as a JSON table.
+
+`validate()` then runs a validation workload through the real engine (timing every step and
+recording its plan), runs the simulator with the profiled model on the same workload, and reports
+the per-batch mean absolute percentage error and the whole run's completion-time error.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from charioteer.sim.cost import CostModel, plan_of
+
+FEATURES = ("batch", "entries", "tokens", "prefill_attention", "decode_context")
+
+
+def plan_features(plan) -> list[float]:
+    tokens = 0
+    pre = 0.0
+    dec = 0
+    for num, start, is_prefill in plan:
+        tokens += num
+        if is_prefill:
+            pre += num * (start + (num + 1) / 2)
+        else:
+            dec += start + num
+    return [1.0, float(len(plan)), float(tokens), pre, float(dec)]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0 by dropping negative coefficients and refitting (few features)."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            return x
+        active = [i for i, v in zip(active, sol) if v > 0] if (sol > 0).any() else []
+    return x
+
+
+class ProfiledCostModel(CostModel):
+    def __init__(self, coefs: dict[str, float], num_stages: int = 1, source: str = "") -> None:
+        missing = set(FEATURES) - coefs.keys()
+        if missing:
+            raise ValueError(f"profiled cost table lacks {', '.join(sorted(missing))}")
+        self.coefs = {k: float(coefs[k]) for k in FEATURES}
+        self._c = [self.coefs[k] for k in FEATURES]
+        self.num_stages = num_stages
+        self.source = source
+
+    @classmethod
+    def fit(cls, records: list[tuple[list, float]], num_stages: int = 1) -> "ProfiledCostModel":
+        if len(records) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} timed batches to fit, got {len(records)}")
+        a = np.array([plan_features(p) for p, _ in records])
+        b = np.array([t for _, t in records])
+        # Relative error matters (batches span 100x in time): weight rows by 1 / t.
+        w = 1.0 / np.maximum(b, 1e-6)
+        x = nnls(a * w[:, None], b * w)
+        return cls(dict(zip(FEATURES, x)), num_stages, source="fit")
+
+    def predict(self, plan) -> float:
+        return float(np.dot(self._c, plan_features(plan)))
+
+    def batch_cost(self, plan):
+        t = sum(c * f for c, f in zip(self._c, plan_features(plan)))
+        return [t / self.num_stages] * self.num_stages, 0.0, 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "charioteer-profiled-cost", "features": list(FEATURES), "coefs": self.coefs}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, num_stages: int = 1) -> "ProfiledCostModel":
+        data = json.loads(text)
+        return cls(data["coefs"], num_stages, source="table")
+
+
+# ---- driving the real engine ---------------------------------------------------------------------
+
+VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
+
+
+def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str = VALIDATION_MODEL, seed: int = 0):
+    """Run `workload` through the real engine on this CPU; return ([(plan, step seconds)], total seconds).
+
+    Seconds are CPU seconds of the calling thread (see below)."""
+    import torch
+
+    from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+    from charioteer.memory.block_manager import cdiv
+    from charioteer.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)  # steadier timings on a shared machine
+    max_len = int((workload.prompt_len + workload.decode_len).max())
+    engine = LLMEngine(EngineArgs(model=model, scheduler=policy, max_num_seqs=batch_cap, chunk_size=chunk_size,
+                                  kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
+    plans = []
+    execute = engine.runner.execute
+
+    def timed_execute(batch, *args, **kwargs):  # records the plan; timing is per whole step below
+        plans.append(plan_of(batch))
+        return execute(batch, *args, **kwargs)
+
+    engine.runner.execute = timed_execute
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    # Warm-up on this engine: touch every KV block once (first-touch page faults would otherwise land
+    # in the measured batches) and let the allocator settle.
+    for i in range(batch_cap):
+        engine.add_request(rng.integers(0, vocab, max_len - 2).tolist(),
+                           SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), request_id=f"warm{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    plans.clear()
+    for i in range(len(workload)):
+        ids = rng.integers(0, vocab, int(workload.prompt_len[i])).tolist()
+        engine.add_request(ids, SamplingParams(max_tokens=int(workload.decode_len[i]), ignore_eos=True,
+                                               temperature=0.0), request_id=str(i))
+    # Times are this thread's CPU time (torch runs single-threaded here, in this thread): on an idle
+    # machine that is the wall time, and on a shared one it leaves out time spent descheduled.
+    clock = time.thread_time
+    records = []
+    t0 = clock()
+    while engine.has_unfinished_requests():
+        n = len(plans)
+        t = clock()
+        engine.step()
+        dt = clock() - t
+        if len(plans) > n:
+            records.append((plans[-1], dt))
+    return records, clock() - t0
+
+
+def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
+             seed: int = 1) -> dict:
+    from charioteer.sim.simulator import ReplicaSetup, Simulator
+    from charioteer.sim.specs import ClusterConfig
+    from charioteer.sim.workload import WorkloadSpec, make_workload
+
+    def wl(n, s, lo, hi):
+        return make_workload(WorkloadSpec(num_requests=n, lengths="zipf", min_len=lo, max_len=hi, theta=0.4,
+                                          pd_ratio=10.0, seed=s))
+
+    calibration = []
+    for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300)):
+        calibration += run_engine(wl(num_requests // 2, s, 32, 640), pol, batch_cap, chunk_size)[0]
+    model = ProfiledCostModel.fit(calibration)
+
+    workload = wl(num_requests, seed, 64, 512)
+    records, measured_total = run_engine(workload, policy, batch_cap, chunk_size)
+    errors = [abs(model.predict(p) - t) / t for p, t in records]
+    max_len = int((workload.prompt_len + workload.decode_len).max())
+    sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(), model,
+                    trace_batches=True)
+    result = sim.run(workload)
+    same_batches = [[(n, s) for n, s, _ in p] for p, _ in records] == [[(n, s) for _, s, n in b] for _, b in result.batches]
+    return {
+        "policy": policy,
+        "batch_cap": batch_cap,
+        "chunk_size": chunk_size,
+        "num_requests": num_requests,
+        "calibration_batches": len(calibration),
+        "validation_batches": len(records),
+        "coefs": model.coefs,
+        "per_batch_mape": float(np.mean(errors)),
+        "measured_completion_s": measured_total,
+        "simulated_completion_s": result.makespan_s,
+        "completion_error": abs(result.makespan_s - measured_total) / measured_total,
+        "same_batch_sequence": same_batches,
+    }
