@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Load a model and print its shape, KV cache size and batch capacity B.")
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
+
+    from charioteer.serving.cli import add_serve_parser
+    from charioteer.sim.cli import add_simulate_parser
+
+    add_serve_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,324 @@
+"""Run an LLMEngine in its own thread and serve its outputs to asyncio.
+
+The engine is not thread-safe, so every call into it (tokenizing, make_request, add, step,
+abort) happens on the engine thread. The event loop talks to it through a command deque
+(`add` and `abort`), and the engine thread answers through `loop.call_soon_threadsafe`
+onto one asyncio.Queue per request. The event loop never waits on the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from charioteer.engine.llm_engine import LLMEngine
+from charioteer.outputs import RequestOutput
+from charioteer.request import Request
+from charioteer.sampling_params import SamplingParams
+from charioteer.serving.metrics import ServerMetrics
+
+log = logging.getLogger("charioteer.serving")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineError(Exception):
+    """The engine failed while running a request (answered as HTTP 500)."""
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Delta:
+    """What a request gained in one engine step."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+_CLOSED = object()  # wakes a consumer whose request was closed from outside (disconnect)
+
+
+@dataclass
+class RequestStream:
+    """The asyncio side of one request."""
+    request_id: str
+    engine: "AsyncEngine"
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0
+    finished: bool = False
+    closed: bool = False
+
+    async def next(self) -> Delta | None:
+        """The next delta, or None once the request was closed from outside."""
+        item = await self.queue.get()
+        if item is _CLOSED:
+            return None
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Release the request: aborts it in the engine (freeing its KV blocks) if unfinished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._release(self)
+        self.queue.put_nowait(_CLOSED)
+
+
+@dataclass
+class _Submission:
+    stream: RequestStream
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    auto_max_tokens: bool
+    arrival_time: float
+
+
+@dataclass
+class _Live:
+    """Engine-thread state of one request."""
+    request: Request
+    stream: RequestStream
+    sent_tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_outstanding = engine.args.max_num_seqs + max_queue
+        self.num_outstanding = 0  # event loop only
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._preemptions_seen = engine.scheduler.num_preemptions
+        self._batch_tokens = 0
+        self.num_steps = 0
+        self.error: BaseException | None = None  # set if the engine thread itself died
+        # Tokens per iteration: LLMEngine.step() does not expose the batch it ran, so wrap this
+        # engine instance's scheduler.schedule to see it (no engine code changes).
+        schedule = engine.scheduler.schedule
+
+        def schedule_and_count():
+            batch = schedule()
+            self._batch_tokens = batch.num_tokens
+            return batch
+
+        engine.scheduler.schedule = schedule_and_count
+
+    # ---- lifecycle (event loop) -----------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="charioteer-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- requests (event loop) --------------------------------------------------------------
+
+    async def submit(self, prompt: str | list[int] | None, params: SamplingParams, *,
+                     messages: list[dict] | None = None, auto_max_tokens: bool = False,
+                     arrival_time: float | None = None, prefix: str = "cmpl") -> RequestStream:
+        """Queue a request; returns once the engine accepted it (raises ValueError if it refused).
+
+        Raises QueueFull at once if too many requests are outstanding.
+        """
+        if self.num_outstanding >= self.max_outstanding:
+            self.metrics.rejected.inc()
+            raise QueueFull(f"{self.num_outstanding} requests outstanding, the limit is {self.max_outstanding}")
+        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", self)
+        self.num_outstanding += 1
+        self._send(("add", _Submission(stream, prompt, messages, params, auto_max_tokens,
+                                       arrival_time if arrival_time is not None else time.monotonic())))
+        try:
+            item = await stream.queue.get()
+        except BaseException:
+            stream.close()
+            raise
+        if isinstance(item, BaseException):
+            stream.finished = True
+            stream.close()
+            raise item
+        stream.prompt_tokens = item
+        return stream
+
+    def _release(self, stream: RequestStream) -> None:
+        self.num_outstanding -= 1
+        if not stream.finished:
+            self._send(("abort", stream.request_id))
+
+    def _send(self, command) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _deliver(self, stream: RequestStream, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._drain()
+                if not self.engine.has_unfinished_requests():
+                    self._update_gauges()
+                    self._wake.wait(0.5)
+                    continue
+                self._step()
+                self._update_gauges()
+        except BaseException as exc:  # pragma: no cover - a bug; /health reports it
+            log.exception("engine thread died")
+            self.error = exc
+            for live in list(self._live.values()):
+                self._deliver(live.stream, EngineError(f"engine thread died: {exc}"))
+            self._live.clear()
+
+    def _drain(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._add(payload)
+            else:
+                live = self._live.pop(payload, None)
+                if live is not None:
+                    self.engine.abort(payload)
+                    self.metrics.aborted.inc()
+
+    def _add(self, sub: _Submission) -> None:
+        engine = self.engine
+        stream = sub.stream
+        try:
+            if sub.messages is not None:
+                if engine.tokenizer is None:
+                    raise ValueError("this model has no tokenizer, so it has no chat template")
+                text = engine.tokenizer.apply_chat_template(sub.messages, add_generation_prompt=True)
+                ids = engine.tokenizer.encode(text, add_special_tokens=False)
+                if not ids:
+                    raise ValueError("messages are empty after applying the chat template")
+            else:
+                text = sub.prompt if isinstance(sub.prompt, str) else None
+                ids = engine.encode(sub.prompt)
+            if sub.auto_max_tokens:
+                sub.params.max_tokens = max(1, engine.max_model_len - len(ids))
+            request = engine.make_request(ids, sub.params, request_id=stream.request_id)
+            request.prompt = text
+            request.arrival_time = sub.arrival_time
+            engine.add(request, stream=True)
+        except ValueError as exc:
+            self._deliver(stream, exc)
+            return
+        except Exception as exc:  # e.g. a chat template that raises something else
+            log.exception("request %s could not be added", stream.request_id)
+            self._deliver(stream, ValueError(f"could not build the prompt: {exc}"))
+            return
+        self._live[stream.request_id] = _Live(request, stream)
+        self.metrics.prompt_tokens.inc(len(ids))
+        self._deliver(stream, len(ids))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # Fail every live request rather than die: the server keeps serving new ones.
+            log.exception("engine step failed; aborting %d requests", len(self._live))
+            for request_id, live in list(self._live.items()):
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # pragma: no cover
+                    log.exception("abort of %s failed", request_id)
+                self._deliver(live.stream, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            self._live.clear()
+            return
+        self.num_steps += 1
+        self.metrics.iteration_tokens.observe(self._batch_tokens)
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            delta = self._delta(live, out)
+            if out.finished:
+                del self._live[out.request_id]
+                self._observe_finished(live.request, out)
+            self._deliver(live.stream, delta)
+
+    def _delta(self, live: _Live, out: RequestOutput) -> Delta:
+        completion = out.outputs[0]
+        new_ids = completion.token_ids[live.sent_tokens:]
+        logprobs = None
+        if completion.logprobs is not None:
+            k = live.request.params.logprobs or 0
+            logprobs = [self._token_logprob(tok, lp, k)
+                        for tok, lp in zip(new_ids, completion.logprobs[live.sent_tokens:])]
+        live.sent_tokens = len(completion.token_ids)
+        self.metrics.generation_tokens.inc(len(new_ids))
+        return Delta(out.new_text, new_ids, logprobs, out.finished, completion.finish_reason,
+                     len(out.prompt_token_ids), len(completion.token_ids))
+
+    def _token_logprob(self, token: int, logprobs: dict[int, float], k: int) -> TokenLogprob:
+        decode = self.engine.tokenizer.decode if self.engine.tokenizer else str
+        top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
+        return TokenLogprob(decode([token]) if self.engine.tokenizer else str(token), float(logprobs[token]),
+                            [(decode([t]) if self.engine.tokenizer else str(t), float(v)) for t, v in top])
+
+    def _observe_finished(self, request: Request, out: RequestOutput) -> None:
+        m = self.metrics
+        m.success(out.outputs[0].finish_reason or "unknown")
+        if request.scheduled_time is not None:
+            m.queue_time.observe(max(0.0, request.scheduled_time - request.arrival_time))
+        if request.first_token_time is not None:
+            m.ttft.observe(max(0.0, request.first_token_time - request.arrival_time))
+        times = request.token_times
+        for a, b in zip(times, times[1:]):
+            m.itl.observe(b - a)
+        end = request.finish_time or time.monotonic()
+        m.e2e.observe(max(0.0, end - request.arrival_time))
+
+    def _update_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        m = self.metrics
+        m.running.set(len(scheduler.running))
+        m.waiting.set(len(scheduler.waiting))
+        m.kv_usage.set(self.engine.blocks.usage)
+        new = scheduler.num_preemptions - self._preemptions_seen
+        if new > 0:
+            m.preemptions.inc(new)
+            self._preemptions_seen = scheduler.num_preemptions

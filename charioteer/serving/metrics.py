@@ -1,0 +1,57 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` becomes `charioteer:`).
+
+Each server gets its own registry, so several servers can live in one process (tests).
+prometheus-client metrics are thread-safe: the engine thread updates them directly.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(f"charioteer:{name}", doc, label, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"charioteer:{name}", doc, label, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"charioteer:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch set.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (includes preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.preemptions = counter("num_preemptions", "Preemptions by recompute (KV cache exhausted).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt + decode) per engine step.",
+                                          ITERATION_BUCKETS)
+        self._success = Counter("charioteer:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self.aborted = counter("num_requests_aborted", "Requests aborted (client gone or server error).")
+        self.rejected = counter("num_requests_rejected", "Requests refused because the queue was full.")
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self._model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

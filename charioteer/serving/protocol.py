@@ -1,0 +1,263 @@
+"""Request bodies of the OpenAI-compatible API, their validation, and OpenAI-style errors.
+
+Bodies are parsed strictly: wrong types are rejected rather than coerced ("10" is not an
+integer), unknown fields are rejected (a misspelt `max_token` would otherwise be silently
+ignored), and OpenAI fields this server does not implement are accepted only at their
+neutral value (n=1, echo=false, frequency_penalty=0, ...).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from charioteer.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# ---- models -------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+# ---- parsing ------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def parse_body(raw: bytes, model_cls: type[_Strict]) -> _Strict:
+    """Decode, parse and validate a JSON body; raises APIError (400) with the offending param."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_utf8") from None
+    if not text.strip():
+        raise bad_request("request body is empty: send a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:  # lone surrogates (e.g. "\ud800") decode from JSON but are not text
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("request body contains a lone UTF-16 surrogate: strings must be valid Unicode",
+                          code="invalid_utf8") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(part) for part in err["loc"] if _is_field(part))
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field '{loc}'", param=loc, code="unknown_field") from None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required field '{loc}'", param=loc, code="missing_field") from None
+        raise bad_request(f"invalid value for '{loc}': {err['msg']}", param=loc,
+                          code="invalid_type" if "type" in err["type"] else "invalid_value") from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_field(part) -> bool:
+    """Whether a pydantic error-location part names a field or index, not a union member's type."""
+    if isinstance(part, int):
+        return True
+    return "[" not in part and part not in _TYPE_TAGS and not part[:1].isupper()
+
+
+def _unsupported(condition: bool, param: str, what: str) -> None:
+    if condition:
+        raise bad_request(f"{param}: {what} is not supported by this server", param=param, code="unsupported")
+
+
+def _check_common(req: _Common) -> None:
+    _unsupported(req.n not in (None, 1), "n", "n other than 1")
+    _unsupported(req.frequency_penalty not in (None, 0), "frequency_penalty", "a non-zero penalty")
+    _unsupported(req.presence_penalty not in (None, 0), "presence_penalty", "a non-zero penalty")
+    _unsupported(bool(req.logit_bias), "logit_bias", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Build SamplingParams, mapping engine ValueErrors to 400s naming the param.
+
+    max_tokens None means "up to the context": the engine thread fills it in once the prompt
+    length is known (SamplingParams needs a number, so 1 stands in until then).
+    """
+    for name, value in (("temperature", req.temperature), ("top_p", req.top_p)):
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", param=name)
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise bad_request(f"seed must be in [0, {MAX_SEED}], got {req.seed}", param="seed")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    if req.top_k is not None and req.top_k > 1000:
+        raise bad_request(f"top_k must be at most 1000, got {req.top_k}", param="top_k")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be an integer >= 1, got {max_tokens}", param="max_tokens")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < 0:
+        raise bad_request(f"temperature must be >= 0 (0 means greedy), got {temperature}", param="temperature")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    stop = req.stop
+    if isinstance(stop, list) and len(stop) > 16:
+        raise bad_request(f"stop takes at most 16 strings, got {len(stop)}", param="stop")
+    if stop is not None and any(not s for s in ([stop] if isinstance(stop, str) else stop)):
+        raise bad_request("stop strings must be non-empty", param="stop")
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            max_tokens=1 if max_tokens is None else max_tokens,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids or [],
+            seed=req.seed,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in SamplingParams.__dataclass_fields__ else None
+        raise bad_request(message, param=param) from None
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
+                              param="prompt", code="unsupported")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("prompt is empty: give a non-empty string or a list of token ids", param="prompt")
+    return prompt
+
+
+def check_completion(req: CompletionRequest) -> None:
+    _check_common(req)
+    _unsupported(bool(req.echo), "echo", "echo")
+    _unsupported(req.suffix is not None, "suffix", "suffix")
+    _unsupported(req.best_of not in (None, 1), "best_of", "best_of other than 1")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    _check_common(req)
+    _unsupported(bool(req.tools) or req.tool_choice not in (None, "none"), "tools", "tool calling")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise bad_request("response_format: only {'type': 'text'} is supported", param="response_format",
+                          code="unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("max_tokens and max_completion_tokens disagree; give one", param="max_tokens")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain text content."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        if content is None:
+            raise bad_request(f"messages.{i}.content is missing", param=f"messages.{i}.content")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    if all(not m["content"] for m in out):
+        raise bad_request("messages are all empty: give some text", param="messages")
+    return out
