@@ -108,8 +108,11 @@ class Scheduler(ABC):
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others.
 
         Requests already placed in `batch` or in flight are never preempted. Returns False if
-        `request` cannot grow now: it was preempted itself, or it waits for in-flight batches.
+        `request` cannot grow now: it was preempted (now or earlier in this plan), or it waits
+        for in-flight batches.
         """
+        if request.status is not RequestStatus.RUNNING:
+            return False
         in_batch = None
         while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
             if in_batch is None:  # built only when memory runs out: this is the hot path

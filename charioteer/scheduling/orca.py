@@ -26,8 +26,6 @@ class OrcaScheduler(Scheduler):
     def _add_running(self, batch: Batch, requests) -> None:
         budget = self.config.max_num_batched_tokens
         for request in requests:
-            if request not in self.running:
-                continue  # preempted while this batch was planned
             num = request.num_remaining_tokens
             if budget is not None and batch.num_tokens + num > budget:
                 continue  # runs in a later batch

@@ -9,7 +9,7 @@ budget with chunks, possibly from several prompts.
 """
 from __future__ import annotations
 
-from charioteer.request import Request, RequestStatus
+from charioteer.request import Request
 from charioteer.scheduling.base import Scheduler
 from charioteer.scheduling.batch import Batch
 
@@ -37,7 +37,7 @@ class SarathiScheduler(Scheduler):
 
     def _add_decodes(self, batch: Batch, limit: int) -> None:
         for request in self._running_decodes()[: max(limit, 0)]:
-            if request.status is RequestStatus.RUNNING and self._grow_or_preempt(request, 1, batch):
+            if self._grow_or_preempt(request, 1, batch):
                 batch.add(request, 1)
 
     def _add_chunk(self, batch: Batch, request: Request, max_tokens: int, admit: bool) -> bool:
@@ -47,8 +47,6 @@ class SarathiScheduler(Scheduler):
         if admit:
             if not self._admit(request, num):
                 return False
-        elif request.status is not RequestStatus.RUNNING:
-            return False  # preempted by an earlier chunk of this plan
         elif not self._grow_or_preempt(request, num, batch):
             return False
         batch.add(request, num)
