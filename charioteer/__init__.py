@@ -1,8 +1,23 @@
 """Charioteer: chunked-prefill, decode-maximal batching (SARATHI) on a real LLaMA engine."""
-from charioteer.engine.llm import LLM
-from charioteer.engine.llm_engine import EngineArgs, LLMEngine
-from charioteer.outputs import CompletionOutput, RequestOutput
-from charioteer.sampling_params import SamplingParams
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+# Imported on first use, so the simulator and `charioteer --help` do not pay for torch.
+_EXPORTS = {
+    "LLM": "charioteer.engine.llm",
+    "LLMEngine": "charioteer.engine.llm_engine",
+    "EngineArgs": "charioteer.engine.llm_engine",
+    "SamplingParams": "charioteer.sampling_params",
+    "RequestOutput": "charioteer.outputs",
+    "CompletionOutput": "charioteer.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'charioteer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
