@@ -111,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
 
+    from charioteer.bench.cli import add_bench_parser
     from charioteer.serving.cli import add_serve_parser
     from charioteer.sim.cli import add_simulate_parser
 
     add_serve_parser(sub)
     add_simulate_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

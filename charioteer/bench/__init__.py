@@ -1,0 +1,1 @@
+"""Benchmarks: `charioteer bench serve` (latency under load) and `bench capacity` (rate at an SLO)."""
