@@ -179,29 +179,24 @@ class LLMEngine:
             request = entry.request
             if not entry.samples or request.request_id not in self._requests:
                 continue
-            stop_at = self._find_stop(request) if request.status is RequestStatus.RUNNING else None
-            if stop_at is not None:
-                self.scheduler.finish(request, "stop")
+            stops = request.params.stop
+            # Stop strings need text; a request that just stopped on EOS may also hold one.
+            check_stop = bool(stops) and (request.status is RequestStatus.RUNNING or request.finish_reason == "stop")
+            if not (check_stop or request.is_finished or request.request_id in self._streaming):
+                continue
+            text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0] if check_stop else []
+            if hits:
+                text = text[: min(hits)]
+                self.scheduler.finish(request, "stop")  # no-op if it already finished
             if request.is_finished or request.request_id in self._streaming:
-                outputs.append(self._output(request, stop_at))
+                outputs.append(self._output(request, text))
             if request.is_finished:
                 self._forget(request)
         return outputs
 
-    def _find_stop(self, request: Request) -> int | None:
-        stops = request.params.stop
-        if not stops or self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(request.output_token_ids)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _output(self, request: Request, stop_at: int | None = None) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
-        if stop_at is None and request.finish_reason == "stop":
-            stop_at = self._find_stop(request)
-        if stop_at is not None:
-            text = text[:stop_at]
+    def _output(self, request: Request, text: str) -> RequestOutput:
+        """`text` is the output decoded once by _collect, already cut at a stop string."""
         new_text = ""
         if request.request_id in self._streaming:
             shown = self._streaming[request.request_id]
