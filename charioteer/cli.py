@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="memory for the KV cache (default: 2)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                   help="split the layers into N pipeline stages, one process each (gloo on cpu, nccl on "
+                        "cuda); under torchrun or with RANK/WORLD_SIZE set, the stages join as ranks 1..N")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         tile_size=args.tile_size, token_budget_mode=args.token_budget_mode, kv_policy=args.kv_policy,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len, device=args.device,
+        pipeline_parallel_size=args.pipeline_parallel,
     )
 
 

@@ -33,6 +33,7 @@ class EngineArgs:
     num_layers: int | None = None  # keep only the first N layers (synthetic or real)
     device: str = "cpu"
     seed: int = 0  # synthetic weights
+    pipeline_parallel_size: int = 1  # N > 1: layers split into N stage processes (charioteer.pipeline)
 
     def __post_init__(self) -> None:
         # Build the sub-configs now so bad values fail before any model is loaded.
@@ -47,6 +48,8 @@ class EngineArgs:
         )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
 
 
 class LLMEngine:
@@ -55,7 +58,6 @@ class LLMEngine:
         loaded = loaded or load_model(args.model, num_layers=args.num_layers, seed=args.seed)
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(config, loaded.state_dict, args.device)
         self.max_model_len = min(args.max_model_len or config.max_position, config.max_position)
 
         cache = args.cache_config
@@ -63,6 +65,20 @@ class LLMEngine:
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy)
         self.scheduler = make_scheduler(args.scheduler_config, self.blocks)
+        # Pipeline parallelism: stage processes hold the weights and KV caches (each its layers'
+        # share of the same number of KV blocks); this process keeps scheduling and sampling.
+        self.executor = None
+        if args.pipeline_parallel_size > 1:
+            from charioteer.pipeline.executor import PipelineExecutor
+
+            self.model = None
+            self.weight_bytes = sum(t.numel() * 4 for t in loaded.state_dict.values())
+            self.executor = PipelineExecutor(
+                loaded, args.pipeline_parallel_size, num_blocks * cache.block_size, args.device,
+                model_spec=(args.model or loaded.source, args.num_layers, args.seed))
+        else:
+            self.model = LlamaModel(config, loaded.state_dict, args.device)
+            self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -74,7 +90,7 @@ class LLMEngine:
     def capacity(self) -> dict:
         """KV capacity and the paper's batch capacity B = floor((M_G - M_S) / (L * m_kv))."""
         kv_bytes = self.blocks.capacity_tokens * self.kv_token_bytes
-        weights = self.model.weight_bytes
+        weights = self.weight_bytes
         return {
             "kv_policy": self.blocks.policy,
             "block_size": self.blocks.block_size,
@@ -85,7 +101,18 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "batch_capacity": batch_capacity(kv_bytes + weights, weights, self.max_model_len, self.kv_token_bytes),
             "max_num_seqs": self.args.max_num_seqs,
+            "pipeline_parallel_size": self.args.pipeline_parallel_size,
         }
+
+    @property
+    def pipeline_metrics(self):
+        """Per-stage busy/idle and per-request bubble times (charioteer.pipeline.metrics); None without a pipeline."""
+        return self.executor.metrics if self.executor is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the pipeline stage processes (no-op without a pipeline). The engine cannot step afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -142,7 +169,8 @@ class LLMEngine:
             self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # Micro-batches still in the pipeline count: they must return to free their KV blocks.
+        return self.scheduler.has_unfinished() or bool(self.executor and self.executor.num_in_flight)
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
@@ -152,7 +180,13 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch. Returns outputs of finished requests, and of streaming ones that advanced."""
+        """Run one batch. Returns outputs of finished requests, and of streaming ones that advanced.
+
+        With a pipeline: plan micro-batches until N are in flight, then wait for the oldest and
+        return the outputs of its requests.
+        """
+        if self.executor is not None:
+            return self._step_pipeline()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -162,6 +196,43 @@ class LLMEngine:
                 )
             return []
         result = self.runner.execute(batch)
+        return self._finish_batch(batch, result)
+
+    def _step_pipeline(self) -> list[RequestOutput]:
+        from charioteer.pipeline.executor import PipelineError
+
+        executor = self.executor
+        try:
+            executor.check()
+            while executor.num_in_flight < executor.num_stages:
+                batch = self.scheduler.schedule()
+                if not batch:
+                    break
+                executor.submit(batch, *self.runner.prepare(batch))
+            if not executor.num_in_flight:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError(
+                        f"scheduler {self.scheduler.name} planned an empty batch with "
+                        f"{self.scheduler.num_requests} requests pending; the KV cache is too small for them"
+                    )
+                return []
+            done = executor.wait_next()
+        except PipelineError as exc:
+            self._fail_all(str(exc))
+            raise
+        result = self.runner.process(done.order, done.rows_per_entry, done.logits)
+        return self._finish_batch(done.batch, result)
+
+    def _fail_all(self, reason: str) -> None:
+        """The pipeline is gone: end every request (in flight or waiting) as aborted."""
+        for batch in self.executor.in_flight_batches:
+            for entry in batch.entries:
+                entry.request.in_flight = False
+        for request in list(self._requests.values()):
+            self.scheduler.finish(request, "abort")
+            self._forget(request)
+
+    def _finish_batch(self, batch: Batch, result) -> list[RequestOutput]:
         self.num_steps += 1
         for request_id, (first, logprobs) in result.prompt_logprobs.items():
             known = self._requests[request_id].prompt_logprobs

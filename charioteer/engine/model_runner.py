@@ -20,11 +20,14 @@ class BatchResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, blocks: BlockManager) -> None:
+    def __init__(self, model: LlamaModel | None, blocks: BlockManager) -> None:
+        """`model` None: a pipeline driver, which prepares batches (on the CPU, to send to the
+        stages) and samples from the logits they return, but holds no weights or KV cache."""
         self.model = model
         self.blocks = blocks
-        self.device = model.device
-        self.kv = KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device)
+        self.device = model.device if model is not None else torch.device("cpu")
+        self.kv = KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device) if model is not None else None
+        self.pad_slot = blocks.num_blocks * blocks.block_size  # KVCache's zero slot, here and in every stage
         self.sampler = Sampler()
 
     def _slots(self, entry: BatchEntry, start: int, end: int) -> torch.Tensor:
@@ -76,7 +79,7 @@ class ModelRunner:
         if decode_contexts:
             lens = torch.tensor([len(c) for c in decode_contexts])
             width = int(lens.max())
-            decode_slots = torch.full((len(decode_contexts), width), self.kv.pad_slot, dtype=torch.long)
+            decode_slots = torch.full((len(decode_contexts), width), self.pad_slot, dtype=torch.long)
             for i, c in enumerate(decode_contexts):
                 decode_slots[i, : len(c)] = c
             decode_mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
@@ -101,10 +104,18 @@ class ModelRunner:
     def execute(self, batch: Batch, hooks=None) -> BatchResult:
         inp, order, rows_per_entry = self.prepare(batch)
         logits = self.model.forward(inp, self.kv, hooks)
+        return self.process(order, rows_per_entry, logits)
+
+    def process(self, order: list[BatchEntry], rows_per_entry: list[list[int]], logits: torch.Tensor) -> BatchResult:
+        """Sample tokens and gather logprobs from the logits of `prepare`'s rows.
+
+        Entries of requests that finished meanwhile (aborted while their micro-batch was in the
+        pipeline) are skipped.
+        """
         result = BatchResult()
         sample_rows, sample_ids, sample_params = [], [], []
         for entry, rows in zip(order, rows_per_entry):
-            if entry.samples:
+            if entry.samples and not entry.request.is_finished:
                 sample_rows.append(rows[-1])
                 sample_ids.append(entry.request.request_id)
                 sample_params.append(entry.request.params)
@@ -112,6 +123,8 @@ class ModelRunner:
         result.tokens = dict(zip(sample_ids, tokens))
         for entry, rows in zip(order, rows_per_entry):
             r = entry.request
+            if r.is_finished:
+                continue
             want_prompt = self._wants_prompt_logprobs(entry)
             want_output = entry.samples and r.params.logprobs is not None
             if not (want_prompt or want_output):

@@ -44,11 +44,14 @@ class KVCache:
     multiply garbage (0 * NaN would poison the output).
     """
 
-    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype=torch.float32) -> None:
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype=torch.float32,
+                 num_layers: int | None = None) -> None:
+        """`num_layers`: layers held here (a pipeline stage holds only its own); default all."""
         self.num_slots = num_slots
         self.pad_slot = num_slots
         self.data = torch.empty(
-            config.num_layers, 2, num_slots + 1, config.num_kv_heads, config.head_dim, device=device, dtype=dtype
+            num_layers if num_layers is not None else config.num_layers, 2, num_slots + 1,
+            config.num_kv_heads, config.head_dim, device=device, dtype=dtype,
         )
         self.data[:, :, self.pad_slot].zero_()
 
@@ -62,20 +65,53 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def stage_weight_names(config: ModelConfig, layer_range: tuple[int, int]) -> list[str]:
+    """State-dict names a model holding layers [start, end) needs (a pipeline stage's share)."""
+    start, end = layer_range
+    first, last = start == 0, end == config.num_layers
+    names = []
+    if first or (last and config.tie_word_embeddings):
+        names.append("model.embed_tokens.weight")
+    if last:
+        names.append("model.norm.weight")
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+    for i in range(start, end):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
 class LlamaModel:
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 layer_range: tuple[int, int] | None = None) -> None:
+        """`layer_range` = (start, end): hold only layers [start, end), as a pipeline stage does.
+
+        The first stage holds the embedding, the last the final norm and LM head; the default is
+        the whole model.
+        """
         self.config = config
         self.device = torch.device(device)
         c = config
+        start, end = layer_range or (0, c.num_layers)
+        if not 0 <= start < end <= c.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside the model's {c.num_layers} layers")
+        self.layer_range = (start, end)
+        self.is_first, self.is_last = start == 0, end == c.num_layers
 
         def w(name: str) -> torch.Tensor:
             return state_dict[name].to(self.device, torch.float32)
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
-        self.final_norm = w("model.norm.weight")
+        needs_embed = self.is_first or (self.is_last and c.tie_word_embeddings)
+        self.embed = w("model.embed_tokens.weight") if needs_embed else None
+        self.lm_head = self.final_norm = None
+        if self.is_last:
+            self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+            self.final_norm = w("model.norm.weight")
         self.layers = []
-        for i in range(c.num_layers):
+        for i in range(start, end):
             p = f"model.layers.{i}."
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
@@ -94,6 +130,7 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [t for t in tensors if t is not None]
         tensors += [t for layer in self.layers for t in layer.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -103,9 +140,19 @@ class LlamaModel:
 
         `hooks`, if given, is called as hooks(op_name, fn) around each operation, for profiling.
         """
+        x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks)
+        return self.logits(x, inp, hooks)
+
+    @torch.inference_mode()
+    def embed_tokens(self, inp: ForwardInput) -> torch.Tensor:
+        """The first stage's input: [T, hidden] embeddings of the batch's tokens."""
+        return self.embed[inp.token_ids]
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:
+        """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers."""
         c = self.config
         run = hooks or (lambda _name, fn: fn())
-        x = self.embed[inp.token_ids]
         cos = self.cos_table[inp.positions].unsqueeze(1)
         sin = self.sin_table[inp.positions].unsqueeze(1)
         q_end, k_end = c.q_size, c.q_size + c.kv_size
@@ -121,7 +168,13 @@ class LlamaModel:
             x = x + run("postproj", lambda: F.linear(attn, layer["o"]))
             h = rms_norm(x, layer["ffn_norm"], c.rms_norm_eps)
             x = x + run("ffn", lambda: self._mlp(h, layer))
-        h = rms_norm(x[inp.logits_rows], self.final_norm, c.rms_norm_eps)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
+        """The last stage's output: logits [len(logits_rows), vocab] from the final hidden states."""
+        run = hooks or (lambda _name, fn: fn())
+        h = rms_norm(x[inp.logits_rows], self.final_norm, self.config.rms_norm_eps)
         return run("lm_head", lambda: F.linear(h, self.lm_head))
 
     def _mlp(self, h: torch.Tensor, layer: dict) -> torch.Tensor:
