@@ -225,7 +225,7 @@ class LLMEngine:
 
     def _fail_all(self, reason: str) -> None:
         """The pipeline is gone: end every request (in flight or waiting) as aborted."""
-        for batch in self.executor.in_flight_batches:
+        for batch in self.executor.abandon():
             for entry in batch.entries:
                 entry.request.in_flight = False
         for request in list(self._requests.values()):

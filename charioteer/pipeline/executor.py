@@ -166,6 +166,15 @@ class PipelineExecutor:
                 return f"pipeline stage {s} (pid {p.pid}) died with exit code {p.exitcode}"
         return None
 
+    def _which_died(self, patience_s: float = 2.0) -> str | None:
+        """After a connection error: name the stage that died (its exit may take a moment to show)."""
+        deadline = time.monotonic() + (patience_s if self.procs else 0.0)
+        while True:
+            dead = self._dead_stage()
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
     def _wait(self, future: Future, what: str):
         """Wait for a receive running in the helper thread, checking the stages in between."""
         while True:
@@ -178,7 +187,7 @@ class PipelineExecutor:
             except PipelineError:
                 raise
             except Exception as exc:  # gloo: connection closed by a dead peer
-                dead = self._dead_stage()
+                dead = self._which_died()
                 self._fail(f"{dead or 'a pipeline stage failed'} while {what} ({type(exc).__name__}: {exc})")
 
     def _fail(self, reason: str):
@@ -196,9 +205,11 @@ class PipelineExecutor:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    @property
-    def in_flight_batches(self) -> list:
-        return [f.batch for f in self._in_flight]
+    def abandon(self) -> list:
+        """After a failure: forget the micro-batches in flight; returns their batches."""
+        batches = [f.batch for f in self._in_flight]
+        self._in_flight.clear()
+        return batches
 
     def submit(self, batch, inp, order, rows_per_entry) -> None:
         """Send a micro-batch's plan to every stage and queue the receive of its logits."""
@@ -217,7 +228,7 @@ class PipelineExecutor:
                 sends.append(self.pg.send([header], s + 1, tp.TAG_HEADER))
                 sends.append(self.pg.send([payload], s + 1, tp.TAG_PAYLOAD))
         except Exception as exc:
-            self._fail(f"{self._dead_stage() or 'a pipeline stage failed'} while sending a micro-batch ({exc})")
+            self._fail(f"{self._which_died() or 'a pipeline stage failed'} while sending a micro-batch ({exc})")
         num_rows = int(inp.logits_rows.numel())
         future = self._pool.submit(self._receive, num_rows)
         self._in_flight.append(InFlight(index, batch, order, rows_per_entry, num_rows, dispatch, future, sends))
