@@ -85,7 +85,24 @@ def _without_main_module():
         sys.modules["__main__"] = main
 
 
-def _cleanup(procs: list, pool: ThreadPoolExecutor) -> None:
+def _send_shutdown(pg, num_stages: int) -> None:
+    header = torch.tensor([tp.KIND_SHUTDOWN, 0, -1], dtype=torch.int64)
+    works = [pg.send([header], s + 1, tp.TAG_HEADER) for s in range(num_stages)]
+    for w in works:
+        w.wait()
+
+
+def _cleanup(procs: list, pool: ThreadPoolExecutor, link: dict) -> None:
+    """Stop the stages: a shutdown message while the pipeline is healthy (stages started by hand
+    or torchrun exit cleanly), then terminate and reap what is still running."""
+    if link.get("pg") is not None and link.get("healthy"):
+        link["healthy"] = False
+        try:
+            _send_shutdown(link["pg"], link["num_stages"])
+            for p in procs:
+                p.join(5)
+        except Exception:  # noqa: BLE001 - terminated below
+            pass
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -113,7 +130,8 @@ class PipelineExecutor:
         self._in_flight: deque[InFlight] = deque()
         self._count = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="charioteer-pp-recv")
-        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self._pool)
+        self._link: dict = {"pg": None, "healthy": False, "num_stages": num_stages}
+        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self._pool, self._link)
         world_size = num_stages + 1
         cuda = torch.device(device).type == "cuda"
         base = dict(config=config, num_slots=num_slots, device=device, model=model_spec[0],
@@ -154,6 +172,7 @@ class PipelineExecutor:
                 ready = self._wait(self._pool.submit(tp.recv_object, self.pg, s + 1), f"starting stage {s}")
                 if not ready.get("ok"):
                     raise PipelineError(f"pipeline stage {s} could not start: {ready.get('error')}")
+            self._link.update(pg=self.pg, healthy=True)
         except BaseException:
             self._finalizer()
             raise
@@ -260,18 +279,14 @@ class PipelineExecutor:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every stage (a shutdown message, then terminate what is left) and drop the in-flight work."""
-        if graceful and self.error is None and hasattr(self, "pg"):
+        if graceful and self.error is None and self._link["healthy"]:
             try:
                 while self._in_flight:  # let the pipeline drain so no stage is mid-send
                     self.wait_next()
-                header = torch.tensor([tp.KIND_SHUTDOWN, 0, -1], dtype=torch.int64)
-                works = [self.pg.send([header], s + 1, tp.TAG_HEADER) for s in range(self.num_stages)]
-                for w in works:
-                    w.wait()
-                for p in self.procs:
-                    p.join(5)
-            except Exception:  # noqa: BLE001 - fall through to terminating them
+            except PipelineError:
                 pass
+        if not graceful or self.error is not None:
+            self._link["healthy"] = False
         if self.error is None:
             self.error = "shut down"
         self._finalizer()

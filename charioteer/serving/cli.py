@@ -53,5 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=name, aliases=(engine.model_config.name,), api_key=args.api_key,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
     ))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()  # pipeline stage processes, if any
     return 0
