@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
                    help="split the layers into N pipeline stages, one process each (gloo on cpu, nccl on "
                         "cuda); under torchrun or with RANK/WORLD_SIZE set, the stages join as ranks 1..N")
+    g.add_argument("--micro-batch-cap", type=int, default=None,
+                   help="pipeline: requests per micro-batch at most (default: no cap beyond --max-num-seqs)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         tile_size=args.tile_size, token_budget_mode=args.token_budget_mode, kv_policy=args.kv_policy,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len, device=args.device,
-        pipeline_parallel_size=args.pipeline_parallel,
+        pipeline_parallel_size=args.pipeline_parallel, micro_batch_cap=args.micro_batch_cap,
     )
 
 
@@ -116,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     from charioteer.bench.cli import add_bench_parser
+    from charioteer.bench.paper_cli import add_profile_parser
     from charioteer.serving.cli import add_serve_parser
     from charioteer.sim.cli import add_simulate_parser
 
     add_serve_parser(sub)
     add_simulate_parser(sub)
+    add_profile_parser(sub)
     add_bench_parser(sub)
     return parser
 

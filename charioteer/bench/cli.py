@@ -15,7 +15,7 @@ import sys
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: serving latency and capacity",
+    p = subparsers.add_parser("bench", help="benchmarks: the paper's experiments, roofline, serving latency and capacity",
                               description="Benchmarks. `charioteer bench <name> --help` documents each.")
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     p.bench_sub = sub  # later `bench X` commands: add_parser on this
@@ -53,6 +53,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                           "service time biases short probes low, so use enough --num-prompts)")
     cap.add_argument("--max-probes", type=int, default=12, help="probes at most (default: 12)")
     cap.set_defaults(func=cmd_bench_capacity)
+    __import__("charioteer.bench.pipeline", fromlist=["_"]).add_pipeline_bench(sub)  # bench pipeline
+
+    from charioteer.bench.paper_cli import add_paper_benches
+
+    add_paper_benches(sub)
     return p
 
 

@@ -14,10 +14,12 @@ class OrcaScheduler(Scheduler):
 
     def add_request(self, request) -> None:
         budget = self.config.max_num_batched_tokens
-        if budget is not None and request.max_num_tokens > budget:
-            # Whole prompts (and recomputes after preemption) must fit one batch.
+        # Whole prompts must fit one batch; under paged KV so must a recompute after preemption.
+        # Reserved KV never preempts, so there only the prompt counts.
+        need = request.num_prompt_tokens if self.blocks.policy == "reserve" else request.max_num_tokens
+        if budget is not None and need > budget:
             raise ValueError(
-                f"request {request.request_id} can reach {request.max_num_tokens} tokens but the "
+                f"request {request.request_id} needs {need} tokens in one batch but the "
                 f"{self.name} scheduler runs whole prompts and max_num_batched_tokens is {budget}: "
                 f"raise max_num_batched_tokens or use the sarathi scheduler"
             )

@@ -1,0 +1,140 @@
+"""End-to-end throughput on the paper's workload (section 5.1): the real engine, start to finish.
+
+Every request has the same sequence length L and P:D ratio, so P prompt tokens and D = L - P
+generated tokens (EOS ignored); all arrive at once and the batch size B is set. The policies:
+
+- `request-level`: the baseline, prefill-only batches then decode-only batches;
+- `orca-worst`: Orca with no limit, all prompts of a wave in one batch, so requests start and end
+  together and nothing overlaps (the paper's worst case; it behaves like the baseline);
+- `orca-best`: Orca with a token budget of P + B - 1, so each batch holds exactly one whole prompt
+  plus the running decodes (the paper's best case, "SARATHI with C equal to the whole prompt");
+- `sarathi`: one C-token chunk plus up to B - 1 decodes per batch.
+
+The KV cache reserves each request's full length at admission, as the paper did, and holds B
+requests, so B is both the memory limit and the batch cap.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from charioteer.bench.batch_timer import OPS, _OpClock
+from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.memory.block_manager import cdiv
+from charioteer.model.loader import LoadedModel
+from charioteer.sampling_params import SamplingParams
+
+POLICIES = ("request-level", "orca-worst", "orca-best", "sarathi")
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int  # L = P + D
+    pd_ratio: float
+    num_requests: int
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (one prompt and one generated token), got {self.seq_len}")
+        if self.pd_ratio <= 0:
+            raise ValueError(f"pd_ratio must be > 0, got {self.pd_ratio}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+
+    @property
+    def prompt_len(self) -> int:
+        p = round(self.seq_len * self.pd_ratio / (self.pd_ratio + 1))
+        return min(max(p, 1), self.seq_len - 1)
+
+    @property
+    def decode_len(self) -> int:
+        return self.seq_len - self.prompt_len
+
+
+def balanced_pd(chunk_size: int, batch_size: int) -> float:
+    """The paper's P:D = C / (B - 1): every decode piggybacks on a prompt chunk."""
+    return chunk_size / max(batch_size - 1, 1)
+
+
+def engine_args(policy: str, chunk_size: int, batch_size: int, workload: Workload, device: str) -> EngineArgs:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+    scheduler = {"request-level": "request-level", "orca-worst": "orca", "orca-best": "orca", "sarathi": "sarathi"}[policy]
+    budget = workload.prompt_len + batch_size - 1 if policy == "orca-best" else None
+    return EngineArgs(
+        scheduler=scheduler, chunk_size=chunk_size, max_num_seqs=batch_size, max_num_batched_tokens=budget,
+        kv_policy="reserve", block_size=BLOCK_SIZE,
+        num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device,
+    )
+
+
+class _TimedModel:
+    """Stands in for the engine's LlamaModel and times each operation of every forward pass."""
+
+    def __init__(self, model, clock: _OpClock) -> None:
+        self._model = model
+        self._clock = clock
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, inp, kv, hooks=None):
+        return self._model.forward(inp, kv, self._clock)
+
+
+def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, workload: Workload,
+            device: str = "cpu", op_breakdown: bool = False) -> dict:
+    """Run the workload to completion on a fresh engine; return throughput and batch statistics."""
+    args = engine_args(policy, chunk_size, batch_size, workload, device)
+    engine = LLMEngine(args, loaded=loaded)
+    clock = None
+    if op_breakdown:
+        clock = _OpClock(engine.model.device)
+        engine.runner.model = _TimedModel(engine.runner.model, clock)
+    counts: dict[str, int] = defaultdict(int)
+    schedule = engine.scheduler.schedule
+
+    def counted_schedule():
+        batch = schedule()
+        if batch:
+            kind = "hybrid" if batch.prefills and batch.decodes else "prefill_only" if batch.prefills else "decode_only"
+            counts[kind + "_batches"] += 1
+            counts["decodes_with_prefill" if batch.prefills else "decodes_alone"] += batch.num_decode_tokens
+        return batch
+
+    engine.scheduler.schedule = counted_schedule
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=workload.decode_len, ignore_eos=True)
+    for i in range(workload.num_requests):
+        engine.add_request([(31 * i + 7 * j + 1) % vocab for j in range(workload.prompt_len)], params)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    tokens = workload.num_requests * workload.seq_len
+    decodes = counts["decodes_with_prefill"] + counts["decodes_alone"]
+    row = {
+        "policy": policy, "chunk_size": chunk_size if policy == "sarathi" else None,
+        "pd_ratio": round(workload.pd_ratio, 3), "batch_size": batch_size, "seq_len": workload.seq_len,
+        "prompt_len": workload.prompt_len, "decode_len": workload.decode_len, "num_requests": workload.num_requests,
+        "elapsed_s": round(elapsed, 3), "throughput_tok_s": round(tokens / elapsed, 2),
+        "batches": engine.num_steps,
+        "prefill_only_batches": counts["prefill_only_batches"], "decode_only_batches": counts["decode_only_batches"],
+        "hybrid_batches": counts["hybrid_batches"],
+        "piggybacked_decode_fraction": round(counts["decodes_with_prefill"] / decodes, 3) if decodes else 0.0,
+    }
+    if clock is not None:
+        row["ops_s"] = {op: round(clock.times.get(op, 0.0), 3) for op in OPS}
+        row["ops_s"]["other"] = round(max(0.0, elapsed - sum(clock.times.get(op, 0.0) for op in OPS)), 3)
+    del engine
+    gc.collect()
+    return row
+
+
+def pd_grid(chunk_sizes: list[int], batch_size: int, base: list[float]) -> list[float]:
+    """The base P:D ratios plus each chunk size's balanced point, so every peak has a point on it."""
+    points = set(base) | {round(balanced_pd(c, batch_size), 2) for c in chunk_sizes}
+    return sorted(points)

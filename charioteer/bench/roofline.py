@@ -1,0 +1,113 @@
+"""The machine's roofline: peak fp32 matmul FLOP/s and memory bandwidth, measured and cached.
+
+Every benchmark states these beside its numbers, so "how close to the limit" is always visible.
+The first measurement on a device takes a few seconds; later ones read the cache
+(`$XDG_CACHE_HOME/charioteer/roofline.json`), keyed by device, processor and thread count.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_peak_matmul_flops(device: torch.device, repeats: int = 5) -> float:
+    """Best fp32 FLOP/s over a few large LLaMA-like GEMMs (tokens x hidden @ hidden x ffn)."""
+    shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
+    best = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(k, n, device=device)
+        seconds = _best_time(lambda: a @ b, device, repeats)
+        best = max(best, 2 * m * k * n / seconds)
+    return best
+
+
+def measure_memory_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: a matrix-vector product over 512 MB (1 GB on GPUs) of fp32 weights.
+
+    That is exactly what a decode step does, so it is the bandwidth decodes can reach.
+    """
+    rows = 32768 if device.type == "cpu" else 65536
+    w = torch.randn(rows, 4096, device=device)
+    x = torch.randn(4096, device=device)
+    seconds = _best_time(lambda: w @ x, device, repeats)
+    return w.numel() * w.element_size() / seconds
+
+
+def _key(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+        except OSError:
+            pass
+    return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "charioteer", "roofline.json")
+
+
+def roofline(device: str | torch.device = "cpu", refresh: bool = False) -> dict:
+    """{"device", "peak_matmul_gflops", "memory_bandwidth_gbs", "ridge_flops_per_byte", ...}, cached."""
+    device = torch.device(device)
+    key = _key(device)
+    path = _cache_path()
+    cache: dict = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            cache = {}
+    if key in cache and not refresh:
+        return {**cache[key], "cached": True}
+    peak = measure_peak_matmul_flops(device)
+    bandwidth = measure_memory_bandwidth(device)
+    entry = {
+        "device": key,
+        "peak_matmul_gflops": round(peak / 1e9, 1),
+        "memory_bandwidth_gbs": round(bandwidth / 1e9, 1),
+        # fp32 FLOPs per byte at which a kernel turns from bandwidth- to compute-bound
+        "ridge_flops_per_byte": round(peak / bandwidth, 1),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    cache[key] = entry
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(cache, f, indent=2)
+    except OSError:
+        pass  # a read-only home still gets the numbers, just not cached
+    return {**entry, "cached": False}
+
+
+def describe(r: dict) -> str:
+    return (f"roofline: peak fp32 matmul {r['peak_matmul_gflops']:.0f} GFLOP/s, memory bandwidth "
+            f"{r['memory_bandwidth_gbs']:.1f} GB/s, ridge {r['ridge_flops_per_byte']:.0f} FLOP/byte "
+            f"({r['device']}{', cached' if r.get('cached') else ''})")

@@ -1,0 +1,124 @@
+"""The paper-experiment benchmarks: their arithmetic, their runs on a tiny model, and their CLI contracts."""
+import json
+
+import pytest
+
+from charioteer.bench.batch_timer import BatchShape, BatchTimer
+from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, pd_grid, run_e2e
+from charioteer.bench.experiments import find_steps
+from charioteer.cli import main
+from charioteer.model.config import ModelConfig
+from charioteer.model.llama import LlamaModel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def roofline_cache(tmp_path_factory):
+    """Measure the roofline once for this module, in a cache outside the user's home."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+def test_find_steps_sees_a_tile_step_and_ignores_noise():
+    tokens = list(range(1, 129))
+    smooth = [1.0 + 0.01 * n for n in tokens]
+    assert find_steps(tokens, smooth) == []
+    stepped = [t + (0.5 if n > 64 else 0.0) for n, t in zip(tokens, smooth)]
+    assert [s["tokens"] for s in find_steps(tokens, stepped)] == [65]
+    spiky = list(smooth)
+    spiky[40] *= 1.5  # one slow sample is not a step
+    assert find_steps(tokens, spiky) == []
+
+
+def test_batch_flops_count_linear_attention_and_lm_head():
+    c = ModelConfig("t", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=2)
+    linear = c.linear_flops_per_token()
+    shape = BatchShape(prefills=((4, 2),), decodes=(10, 3))
+    per_key = 4 * c.q_size * c.num_layers
+    expected = linear * 6 + 2 * 8 * 100 * 3 + per_key * (4 * (2 + 2.5) + 13)
+    assert shape.flops(c) == pytest.approx(expected)
+    assert BatchShape(prefills=((4, 0),), prefills_sample=False).flops(c) == pytest.approx(linear * 4 + per_key * 10)
+
+
+def test_workload_split_and_balanced_point():
+    w = Workload(256, balanced_pd(64, 8), 4)
+    assert (w.prompt_len, w.decode_len) == (231, 25)
+    assert Workload(10, 1000, 1).decode_len == 1 and Workload(10, 0.001, 1).prompt_len == 1
+    assert pd_grid([32, 64], 8, [1, 8]) == [1, 4.57, 8, 9.14]
+    with pytest.raises(ValueError, match="pd_ratio"):
+        Workload(256, 0, 4)
+
+
+def test_batch_timer_times_every_op_and_frees_its_blocks(tiny_model):
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict)
+    timer = BatchTimer(model, 1024)
+    free = timer.blocks.num_free_blocks
+    t = timer.time(BatchShape(prefills=((20, 12),), decodes=(30, 7)), repeats=2)
+    assert t.total_s > 0 and set(t.ops_s) == {"preproj", "attention", "postproj", "ffn", "other"}
+    assert all(v >= 0 for v in t.ops_s.values()) and sum(t.ops_s.values()) == pytest.approx(t.total_s)
+    assert timer.blocks.num_free_blocks == free
+
+
+def test_e2e_policies_shape_their_batches(tiny_model):
+    w = Workload(48, 4, 6)  # P = 38, D = 10
+    rows = {p: run_e2e(tiny_model, p, 8, 3, w) for p in POLICIES}
+    for row in rows.values():
+        assert row["throughput_tok_s"] > 0 and row["prompt_len"] == 38 and row["decode_len"] == 10
+    assert rows["request-level"]["hybrid_batches"] == 0
+    assert rows["orca-worst"]["hybrid_batches"] == 0  # all of a wave's prompts run together
+    assert rows["orca-best"]["hybrid_batches"] > 0 and rows["orca-best"]["prefill_only_batches"] >= 1
+    # One prompt per batch, whole: 6 prompts take 6 batches that hold a prefill.
+    assert rows["orca-best"]["hybrid_batches"] + rows["orca-best"]["prefill_only_batches"] == 6
+    # SARATHI: one 8-token chunk per batch; 38 tokens -> 5 chunks per request.
+    s = rows["sarathi"]
+    assert s["hybrid_batches"] + s["prefill_only_batches"] == 6 * 5
+    assert s["piggybacked_decode_fraction"] > rows["orca-best"]["piggybacked_decode_fraction"]
+
+
+def test_e2e_and_decode_speedup_json_contracts(capsys):
+    rc = main(["bench", "e2e", "--model", "synthetic:tiny", "--json", "--chunk-sizes", "16", "--pd-ratios", "2",
+               "--batch-size", "4", "--seq-len", "64", "--num-requests", "6"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["roofline"]["peak_matmul_gflops"] > 0
+    policies = {r["policy"] for r in out["rows"]}
+    assert policies == set(POLICIES)
+    for r in out["rows"]:
+        assert {"policy", "chunk_size", "pd_ratio", "batch_size", "throughput_tok_s", "gain_vs_request_level"} <= set(r)
+    assert {r["pd_ratio"] for r in out["rows"]} == {2.0, 5.33}  # the grid point and C/(B-1)
+
+    rc = main(["bench", "decode-speedup", "--model", "synthetic:tiny", "--json", "--seq-lens", "64",
+               "--batch-sizes", "2,4", "--chunk-size", "16", "--repeats", "3"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["seq_len"], r["batch_size"]) for r in rows] == [(64, 2), (64, 4)]
+    assert all("decode_speedup" in r for r in rows)
+
+
+def test_profile_json(capsys):
+    rc = main(["profile", "--model", "synthetic:tiny", "--json", "--seq-len", "32", "--repeats", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    kinds = [r["batch"] for r in out["table2"]]
+    assert kinds[:3] == ["prefill-only", "decode-only", "hybrid"]
+    assert [r["batch_size"] for r in out["figure3"]] == [1, 2, 8]
+
+
+def test_bad_benchmark_arguments_fail_with_a_message(capsys):
+    assert main(["bench", "decode-speedup", "--model", "synthetic:tiny", "--batch-sizes", "1,2"]) == 2
+    assert "batch sizes >= 2" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--model", "synthetic:tiny", "--policies", "fifo"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+
+
+def test_paper_quick_writes_report_plots_and_json(capsys, tmp_path):
+    rc = main(["bench", "paper", "--quick", "--model", "synthetic:tiny", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"profile", "decode_speedup", "e2e", "chunk_ablation", "tile", "summary"} <= set(results)
+    report = (tmp_path / "report.md").read_text()
+    for heading in ("Table 2", "Figure 3", "Figure 8", "Figures 9 and 11", "Figure 10", "Figure 13", "Figure 7"):
+        assert heading in report
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(pngs) == 6
