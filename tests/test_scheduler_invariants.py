@@ -111,8 +111,10 @@ def rejected_reason(w: Workload, spec: ReqSpec) -> str | None:
     total = spec.prompt_len + spec.max_tokens
     if cdiv(total, w.block_size) > w.num_blocks:
         return "does not fit the whole KV cache"
-    if w.policy != "sarathi" and w.budget is not None and total > w.budget:
-        return "whole-prompt policy with a token budget below prompt + max_tokens"
+    # Whole prompts must fit the budget; under paged KV so must a recompute (prompt + outputs).
+    need = spec.prompt_len if w.kv_policy == "reserve" else total
+    if w.policy != "sarathi" and w.budget is not None and need > w.budget:
+        return "whole-prompt policy with a token budget below the prompt (or prompt + max_tokens)"
     return None
 
 
@@ -609,7 +611,8 @@ def test_add_request_rejects_what_can_never_run(policy, kv_policy, block_size, n
     total = prompt_len + max_tokens
     too_big_for_cache = cdiv(total, block_size) > num_blocks
     assert sched.blocks.fits_ever(req) == (not too_big_for_cache)
-    too_big_for_batch = policy != "sarathi" and budget is not None and total > budget
+    need = prompt_len if kv_policy == "reserve" else total  # reserved KV never recomputes
+    too_big_for_batch = policy != "sarathi" and budget is not None and need > budget
     if too_big_for_cache or too_big_for_batch:
         with pytest.raises(ValueError):
             sched.add_request(req)
