@@ -34,6 +34,10 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0  # synthetic weights
     pipeline_parallel_size: int = 1  # N > 1: layers split into N stage processes (charioteer.pipeline)
+    # Pipeline: at most this many requests per micro-batch (the paper's per-micro-batch batch size;
+    # max_num_seqs still caps all running requests). None: a micro-batch takes every ready request,
+    # so e.g. Orca's first micro-batch may take all of them and leave the next ones empty.
+    micro_batch_cap: int | None = None
 
     def __post_init__(self) -> None:
         # Build the sub-configs now so bad values fail before any model is loaded.
@@ -50,6 +54,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
+            raise ValueError(f"micro_batch_cap must be >= 1, got {self.micro_batch_cap}")
 
 
 class LLMEngine:
@@ -205,7 +211,7 @@ class LLMEngine:
         try:
             executor.check()
             while executor.num_in_flight < executor.num_stages:
-                batch = self.scheduler.schedule()
+                batch = self._schedule_micro_batch()
                 if not batch:
                     break
                 executor.submit(batch, *self.runner.prepare(batch))
@@ -222,6 +228,26 @@ class LLMEngine:
             raise
         result = self.runner.process(done.order, done.rows_per_entry, done.logits)
         return self._finish_batch(done.batch, result)
+
+    def _schedule_micro_batch(self) -> Batch:
+        """Plan a micro-batch; with micro_batch_cap, show the scheduler at most that many requests
+        (ready running ones first, then waiting ones), the rest held back as if in flight."""
+        cap = self.args.micro_batch_cap
+        sched = self.scheduler
+        if cap is None:
+            return sched.schedule()
+        ready = [r for r in sched.running if not r.in_flight]
+        hidden = ready[cap:]
+        room = max(0, cap - len(ready))
+        held = [sched.waiting.pop() for _ in range(max(0, len(sched.waiting) - room))][::-1]
+        for r in hidden:
+            r.in_flight = True
+        try:
+            return sched.schedule()
+        finally:
+            for r in hidden:
+                r.in_flight = False
+            sched.waiting.extend(held)
 
     def _fail_all(self, reason: str) -> None:
         """The pipeline is gone: end every request (in flight or waiting) as aborted."""
