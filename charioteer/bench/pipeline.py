@@ -93,7 +93,7 @@ def run_one(loaded, policy: str, workload, args) -> dict:
                 float(np.std(t) / max(1e-9, np.mean(t)))
                 for t in ([r.stages[s][2] - r.stages[s][1] for r in recs] for s in range(metrics.num_stages))],
             "micro_batch_transfer_s": summary["micro_batch_transfer_s"],
-            "driver_gap_s": _driver_gaps(recs),
+            "driver_gap_s": _driver_gaps(recs, metrics.num_stages),
             "records": _records_of(metrics),
         }
         return run
@@ -101,11 +101,12 @@ def run_one(loaded, policy: str, workload, args) -> dict:
         llm.shutdown()
 
 
-def _driver_gaps(recs) -> dict:
-    """Time between a micro-batch's return and the dispatch of the next one (sampling, scheduling, pickling)."""
+def _driver_gaps(recs, n: int) -> dict:
+    """From a micro-batch's return to the dispatch of the one that takes its slot, N later
+    (sampling, state update, scheduling, pickling in the driver)."""
     from charioteer.pipeline.metrics import percentiles
 
-    gaps = [b.dispatch - a.returned for a, b in zip(recs, recs[1:]) if b.dispatch > a.returned]
+    gaps = [b.dispatch - a.returned for a, b in zip(recs, recs[n:]) if b.dispatch >= a.returned]
     return percentiles(gaps)
 
 
