@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from charioteer.model.config import ModelConfig
+from charioteer.runtime import tune_allocator
 
 
 @dataclass
@@ -94,6 +95,9 @@ class LlamaModel:
         """
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            tune_allocator()
+        self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K and V, see _gather
         c = config
         start, end = layer_range or (0, c.num_layers)
         if not 0 <= start < end <= c.num_layers:
@@ -182,6 +186,20 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer["down"])
 
+    def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """Rows `slots` of a K or V cache, copied into a buffer reused across layers and steps.
+
+        index_select copies whole rows (advanced indexing, cache[slots], goes element by element),
+        and writing into a kept buffer spares the page faults of a fresh tens-of-MB tensor per
+        layer: 3 ms instead of 8-20 ms for 16 decodes of 256 tokens of LLaMA-7B, measured here.
+        """
+        n = slots.numel()
+        buf = self._gather_buffers[which]
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(n, *cache.shape[1:], device=cache.device, dtype=cache.dtype)
+            self._gather_buffers[which] = buf
+        return torch.index_select(cache, 0, slots, out=buf[:n])
+
     def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput) -> torch.Tensor:
         c = self.config
         k_cache, v_cache = layer_kv[0], layer_kv[1]
@@ -195,7 +213,7 @@ class LlamaModel:
                 ks, vs = k[rows], v[rows]
                 causal, mask = True, None
             else:
-                ks, vs = k_cache[span.context_slots], v_cache[span.context_slots]
+                ks, vs = self._gather(k_cache, span.context_slots, 0), self._gather(v_cache, span.context_slots, 1)
                 causal, mask = False, span.mask
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
@@ -205,8 +223,10 @@ class LlamaModel:
         if inp.num_decodes:
             rows = slice(q.shape[0] - inp.num_decodes, q.shape[0])
             qd = q[rows].unsqueeze(2)  # [D, heads, 1, dim]
-            kd = k_cache[inp.decode_slots].transpose(1, 2)  # [D, kv_heads, context, dim]
-            vd = v_cache[inp.decode_slots].transpose(1, 2)
+            slots = inp.decode_slots.view(-1)
+            shape = (*inp.decode_slots.shape, c.num_kv_heads, c.head_dim)
+            kd = self._gather(k_cache, slots, 0).view(shape).transpose(1, 2)  # [D, kv_heads, context, dim]
+            vd = self._gather(v_cache, slots, 1).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=inp.decode_mask, enable_gqa=c.num_kv_heads != c.num_heads
             )
