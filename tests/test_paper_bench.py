@@ -102,7 +102,7 @@ def test_profile_json(capsys):
     out = json.loads(capsys.readouterr().out)
     kinds = [r["batch"] for r in out["table2"]]
     assert kinds[:3] == ["prefill-only", "decode-only", "hybrid"]
-    assert [r["batch_size"] for r in out["figure3"]] == [1, 2, 8]
+    assert [r["batch_size"] for r in out["figure3"]] == [1, 2, 16]
 
 
 def test_bad_benchmark_arguments_fail_with_a_message(capsys):

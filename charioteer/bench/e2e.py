@@ -59,13 +59,15 @@ def balanced_pd(chunk_size: int, batch_size: int) -> float:
     return chunk_size / max(batch_size - 1, 1)
 
 
-def engine_args(policy: str, chunk_size: int, batch_size: int, workload: Workload, device: str) -> EngineArgs:
+def engine_args(policy: str, chunk_size: int, batch_size: int, workload: Workload, device: str,
+                tile_size: int | None = None) -> EngineArgs:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     scheduler = {"request-level": "request-level", "orca-worst": "orca", "orca-best": "orca", "sarathi": "sarathi"}[policy]
     budget = workload.prompt_len + batch_size - 1 if policy == "orca-best" else None
     return EngineArgs(
         scheduler=scheduler, chunk_size=chunk_size, max_num_seqs=batch_size, max_num_batched_tokens=budget,
+        tile_size=tile_size if policy == "sarathi" else None,
         kv_policy="reserve", block_size=BLOCK_SIZE,
         num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device,
     )
@@ -86,9 +88,9 @@ class _TimedModel:
 
 
 def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, workload: Workload,
-            device: str = "cpu", op_breakdown: bool = False) -> dict:
+            device: str = "cpu", op_breakdown: bool = False, tile_size: int | None = None) -> dict:
     """Run the workload to completion on a fresh engine; return throughput and batch statistics."""
-    args = engine_args(policy, chunk_size, batch_size, workload, device)
+    args = engine_args(policy, chunk_size, batch_size, workload, device, tile_size)
     engine = LLMEngine(args, loaded=loaded)
     clock = None
     if op_breakdown:

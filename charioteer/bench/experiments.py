@@ -5,9 +5,12 @@ reports numbers measured on the real engine. `charioteer profile` and `chariotee
 print them; `charioteer bench paper` gathers them into a report.
 
 Scale: on a GPU the paper's chunks are 256-512 tokens, because that is where a GPU's matmuls
-saturate. This CPU's fp32 matmuls are near their peak from about 64-128 tokens (see
-`charioteer bench tile`), so the defaults divide the paper's sequence lengths and chunk sizes by 4
-(1K -> 256, C = 256 -> 64) and keep the ratios between them.
+saturate and its tiles are 128 wide. Here the engine's fp32 matmuls (MKL packed GEMM) are most
+efficient at 64 rows and step up in time just past 64 (`charioteer bench tile`), and decode-only
+batches are less memory-bound than on a GPU (the ridge point is ~11 FLOP/byte, ~22 fp32 tokens).
+So the defaults use sequences of 256 (the paper's 1K / 4), batch size 16 (the paper's 18 at 1K)
+and chunk sizes 17, 33 and 49, which fill a batch to 32, 48 and 64 rows (C + B - 1), the
+paper's tile alignment.
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def _ms(seconds: float) -> float:
 # ---- Table 2 and Figure 3 ----------------------------------------------------------------
 
 
-def profile(setup: Setup, seq_len: int = 256, batch_size: int = 4, fig3_batch_sizes=(1, 2, 8),
+def profile(setup: Setup, seq_len: int = 256, batch_size: int = 4, fig3_batch_sizes=(1, 2, 16),
             repeats: int = 5, progress=None) -> dict:
     """Per-operation times of prefill-only, decode-only and hybrid batches (Table 2), and Figure 3."""
     if batch_size < 2 or seq_len <= batch_size:
@@ -126,7 +129,7 @@ def profile_steps(fig3_batch_sizes) -> int:
 # ---- Figure 8: decode speedup ------------------------------------------------------------
 
 
-def decode_speedup(setup: Setup, seq_lens=(256, 512, 768), batch_sizes=(2, 4, 8, 12, 16), chunk_size: int = 64,
+def decode_speedup(setup: Setup, seq_lens=(256, 512, 768), batch_sizes=(2, 4, 8, 12, 16), chunk_size: int = 32,
                    repeats: int = 7, progress=None) -> dict:
     """Baseline decode time per token over the marginal decode time per token in a hybrid batch.
 
@@ -162,18 +165,20 @@ def decode_speedup(setup: Setup, seq_lens=(256, 512, 768), batch_sizes=(2, 4, 8,
 # ---- Figures 9, 10, 11: end-to-end throughput ----------------------------------------------
 
 
-def e2e(setup: Setup, chunk_sizes=(32, 64, 128), pd_ratios=(1, 2, 4, 8, 16, 32, 64), batch_size: int = 8,
-        seq_len: int = 256, num_requests: int = 48, policies=POLICIES, progress=None) -> dict:
+def e2e(setup: Setup, chunk_sizes=(17, 33, 49), pd_ratios=(0.5, 1, 2, 4, 8, 16), batch_size: int = 16,
+        seq_len: int = 256, num_requests: int = 64, policies=POLICIES, progress=None) -> dict:
     """P:D sweep (Figures 9, 11b), per-operation breakdown at the balanced point (Figure 10)."""
     grid = pd_grid(list(chunk_sizes), batch_size, list(pd_ratios))
     rows = []
     for pd in grid:
         workload = Workload(seq_len, pd, num_requests)
         baseline = None
+        balanced = any(math.isclose(pd, round(balanced_pd(c, batch_size), 2)) for c in chunk_sizes)
         for policy in policies:
+            if policy == "orca-worst" and not balanced and len(grid) > 1:
+                continue  # it matches request-level by construction; Figure 11a needs it at the balanced points
             for c in (chunk_sizes if policy == "sarathi" else chunk_sizes[:1]):
-                # Time the per-operation breakdown only where Figure 10 needs it.
-                breakdown = any(math.isclose(pd, round(balanced_pd(cc, batch_size), 2)) for cc in chunk_sizes)
+                breakdown = balanced  # Figure 10 needs the per-operation breakdown only there
                 row = run_e2e(setup.loaded, policy, c, batch_size, workload, setup.device, op_breakdown=breakdown)
                 row["mfu"] = round(workload_flops(setup, workload) / row["elapsed_s"] / setup.peak_flops, 3)
                 row["balanced_pd"] = round(balanced_pd(c, batch_size), 2) if policy == "sarathi" else None
@@ -200,8 +205,11 @@ def e2e(setup: Setup, chunk_sizes=(32, 64, 128), pd_ratios=(1, 2, 4, 8, 16, 32, 
 
 
 def e2e_steps(chunk_sizes, pd_ratios, batch_size, policies) -> int:
-    per_pd = sum(len(chunk_sizes) if p == "sarathi" else 1 for p in policies)
-    return per_pd * len(pd_grid(list(chunk_sizes), batch_size, list(pd_ratios)))
+    grid = pd_grid(list(chunk_sizes), batch_size, list(pd_ratios))
+    per_pd = sum(len(chunk_sizes) if p == "sarathi" else 1 for p in policies if p != "orca-worst")
+    worst = 0 if "orca-worst" not in policies else len(grid) if len(grid) == 1 else len(
+        {round(balanced_pd(c, batch_size), 2) for c in chunk_sizes})
+    return per_pd * len(grid) + worst
 
 
 def workload_flops(setup: Setup, workload: Workload) -> float:
@@ -217,8 +225,8 @@ def workload_flops(setup: Setup, workload: Workload) -> float:
 # ---- Figure 13: chunk-size ablation --------------------------------------------------------
 
 
-def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(16, 32, 64, 80, 96, 128), batch_size: int = 8,
-                   num_requests: int = 48, repeats: int = 3, with_e2e: bool = True, progress=None) -> dict:
+def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(17, 33, 49, 64, 96, 128), batch_size: int = 16,
+                   num_requests: int = 64, repeats: int = 3, with_e2e: bool = True, progress=None) -> dict:
     """Prefill attention time and total prefill time of a chunked prompt against the whole prompt
     (Figure 13a, b), and end-to-end throughput at each chunk's balanced P:D (Figure 13c)."""
     whole = setup.timer.time(BatchShape(prefills=((seq_len, 0),)), repeats=repeats)
@@ -298,19 +306,19 @@ def paper_plan(quick: bool) -> dict:
     """Arguments of each experiment for `charioteer bench paper` (full: under an hour here)."""
     if quick:
         return {
-            "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 8), "repeats": 3},
-            "decode_speedup": {"seq_lens": (256,), "batch_sizes": (2, 4, 8), "chunk_size": 64, "repeats": 5},
-            "e2e": {"chunk_sizes": (64,), "pd_ratios": (), "batch_size": 8, "seq_len": 256, "num_requests": 24},
-            "chunk_ablation": {"seq_len": 256, "chunk_sizes": (32, 64, 128), "batch_size": 8, "with_e2e": False},
-            "tile": {"start": 56, "stop": 80, "repeats": 2},
+            "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 16), "repeats": 3},
+            "decode_speedup": {"seq_lens": (256,), "batch_sizes": (2, 8, 16), "chunk_size": 32, "repeats": 5},
+            "e2e": {"chunk_sizes": (49,), "pd_ratios": (), "batch_size": 16, "seq_len": 256, "num_requests": 32},
+            "chunk_ablation": {"seq_len": 256, "chunk_sizes": (17, 49, 128), "batch_size": 16, "with_e2e": False},
+            "tile": {"start": 56, "stop": 72, "repeats": 2},
         }
     return {
-        "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 8), "repeats": 5},
-        "decode_speedup": {"seq_lens": (256, 512, 768), "batch_sizes": (2, 4, 8, 12, 16), "chunk_size": 64, "repeats": 7},
-        "e2e": {"chunk_sizes": (32, 64, 128), "pd_ratios": (1, 2, 4, 8, 16, 32, 64), "batch_size": 8,
-                "seq_len": 256, "num_requests": 48},
-        "chunk_ablation": {"seq_len": 256, "chunk_sizes": (16, 32, 64, 80, 96, 128), "batch_size": 8,
-                           "num_requests": 48},
+        "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 16), "repeats": 5},
+        "decode_speedup": {"seq_lens": (256, 512, 768), "batch_sizes": (2, 4, 8, 12, 16), "chunk_size": 32, "repeats": 7},
+        "e2e": {"chunk_sizes": (17, 33, 49), "pd_ratios": (0.5, 1, 2, 4, 8, 16), "batch_size": 16,
+                "seq_len": 256, "num_requests": 64},
+        "chunk_ablation": {"seq_len": 256, "chunk_sizes": (17, 33, 49, 64, 96, 128), "batch_size": 16,
+                           "num_requests": 64},
         "tile": {"start": 1, "stop": 160, "repeats": 3},
     }
 

@@ -254,8 +254,8 @@ def add_profile_parser(sub) -> None:
     _add_common(p)
     p.add_argument("--seq-len", type=int, default=256, help="sequence length L (default: 256; the paper's 1K / 4)")
     p.add_argument("--batch-size", type=int, default=4, help="batch size of Table 2 (default: 4, as the paper)")
-    p.add_argument("--fig3-batch-sizes", type=_ints, default=[1, 2, 8],
-                   help="Figure 3 batch sizes, the last being the maximum (default: 1,2,8)")
+    p.add_argument("--fig3-batch-sizes", type=_ints, default=[1, 2, 16],
+                   help="Figure 3 batch sizes, the last being the maximum (default: 1,2,16)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch; the median is reported (default: 5)")
     p.set_defaults(func=cmd_profile)
 
@@ -267,7 +267,8 @@ def add_paper_benches(bench_sub) -> None:
     _add_common(p)
     p.add_argument("--seq-lens", type=_ints, default=[256, 512, 768], help="context lengths (default: 256,512,768)")
     p.add_argument("--batch-sizes", type=_ints, default=[2, 4, 8, 12, 16], help="batch sizes >= 2 (default: 2,4,8,12,16)")
-    p.add_argument("--chunk-size", type=int, default=64, help="prompt chunk of the hybrid batch (default: 64)")
+    p.add_argument("--chunk-size", type=int, default=32,
+                   help="prompt chunk of the hybrid batch (default: 32, so chunk + 15 decodes stays within 64 rows)")
     p.add_argument("--repeats", type=int, default=7, help="alternating timed runs per point (default: 7)")
     p.set_defaults(func=cmd_decode_speedup)
 
@@ -275,12 +276,13 @@ def add_paper_benches(bench_sub) -> None:
                              description="Run the paper's workload (all requests of length L at one P:D ratio, batch "
                                          "size B) to completion under each policy and chunk size.")
     _add_common(p)
-    p.add_argument("--chunk-sizes", type=_ints, default=[32, 64, 128], help="sarathi chunk sizes (default: 32,64,128)")
-    p.add_argument("--pd-ratios", type=_floats, default=[1, 2, 4, 8, 16, 32, 64],
-                   help="P:D ratios; each chunk size's balanced C/(B-1) is added (default: 1,2,4,8,16,32,64)")
-    p.add_argument("--batch-size", type=int, default=8, help="batch size B (default: 8)")
+    p.add_argument("--chunk-sizes", type=_ints, default=[17, 33, 49],
+                   help="sarathi chunk sizes (default: 17,33,49: C + B - 1 = 32, 48, 64 rows)")
+    p.add_argument("--pd-ratios", type=_floats, default=[0.5, 1, 2, 4, 8, 16],
+                   help="P:D ratios; each chunk size's balanced C/(B-1) is added (default: 0.5,1,2,4,8,16)")
+    p.add_argument("--batch-size", type=int, default=16, help="batch size B (default: 16)")
     p.add_argument("--seq-len", type=int, default=256, help="sequence length L = P + D (default: 256)")
-    p.add_argument("--num-requests", type=int, default=48, help="requests per run (default: 48)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per run (default: 64)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
                    help=f"comma-separated, from {','.join(POLICIES)} (default: all)")
     p.set_defaults(func=cmd_e2e)
@@ -290,10 +292,10 @@ def add_paper_benches(bench_sub) -> None:
                                          "end-to-end throughput at each chunk size's balanced P:D against request-level.")
     _add_common(p)
     p.add_argument("--seq-len", type=int, default=256, help="prompt / sequence length (default: 256)")
-    p.add_argument("--chunk-sizes", type=_ints, default=[16, 32, 64, 80, 96, 128],
-                   help="chunk sizes (default: 16,32,64,80,96,128: the paper's 64..512 / 4)")
-    p.add_argument("--batch-size", type=int, default=8, help="batch size B for the e2e part (default: 8)")
-    p.add_argument("--num-requests", type=int, default=48, help="requests per e2e run (default: 48)")
+    p.add_argument("--chunk-sizes", type=_ints, default=[17, 33, 49, 64, 96, 128],
+                   help="chunk sizes (default: 17,33,49,64,96,128)")
+    p.add_argument("--batch-size", type=int, default=16, help="batch size B for the e2e part (default: 16)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per e2e run (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per chunk batch (default: 3)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end part (Figure 13c)")
     p.set_defaults(func=cmd_chunk_ablation)
