@@ -17,7 +17,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "model directory, or synthetic:<tiny|llama-7b|llama-13b|...>[,layers=N,...]")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers")
     g.add_argument("--scheduler", default="sarathi", choices=SCHEDULERS, help="batching policy (default: sarathi)")
-    g.add_argument("--chunk-size", type=int, default=256, help="SARATHI prompt chunk size C (default: 256)")
+    g.add_argument("--chunk-size", type=_chunk_size, default=256,
+                   help="SARATHI prompt chunk size C, or 'auto' to follow the P:D of recent requests (default: 256)")
+    g.add_argument("--min-chunk-size", type=int, default=16, help="with --chunk-size auto: smallest C (default: 16)")
+    g.add_argument("--max-chunk-size", type=int, default=512, help="with --chunk-size auto: largest C (default: 512)")
+    g.add_argument("--tune-table", default=None,
+                   help="with --chunk-size auto: timing table from `charioteer tune --save-table` (default: "
+                        "balanced C = (P/D)(B-1), tile-aligned with --tile-size)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="batch cap B: requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per batch")
     g.add_argument("--tile-size", type=int, default=None, help="sarathi: align C + decodes to this multiple")
@@ -35,9 +41,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline: requests per micro-batch at most (default: no cap beyond --max-num-seqs)")
 
 
+def _chunk_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chunk size must be an integer or 'auto', got {text!r}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, num_layers=args.num_layers, scheduler=args.scheduler, chunk_size=args.chunk_size,
+        min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size, tune_table=args.tune_table,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         tile_size=args.tile_size, token_budget_mode=args.token_budget_mode, kv_policy=args.kv_policy,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len, device=args.device,
@@ -119,12 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from charioteer.bench.cli import add_bench_parser
     from charioteer.bench.paper_cli import add_profile_parser
+    from charioteer.tune.cli import add_tune_parser
     from charioteer.serving.cli import add_serve_parser
     from charioteer.sim.cli import add_simulate_parser
 
     add_serve_parser(sub)
     add_simulate_parser(sub)
     add_profile_parser(sub)
+    add_tune_parser(sub)
     add_bench_parser(sub)
     return parser
 

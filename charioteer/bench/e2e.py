@@ -25,6 +25,7 @@ from charioteer.engine.llm_engine import EngineArgs, LLMEngine
 from charioteer.memory.block_manager import cdiv
 from charioteer.model.loader import LoadedModel
 from charioteer.sampling_params import SamplingParams
+from charioteer.tune.chunk_size import split_for_pd
 
 POLICIES = ("request-level", "orca-worst", "orca-best", "sarathi")
 BLOCK_SIZE = 16
@@ -46,8 +47,7 @@ class Workload:
 
     @property
     def prompt_len(self) -> int:
-        p = round(self.seq_len * self.pd_ratio / (self.pd_ratio + 1))
-        return min(max(p, 1), self.seq_len - 1)
+        return split_for_pd(self.seq_len, self.pd_ratio)[0]
 
     @property
     def decode_len(self) -> int:

@@ -20,7 +20,10 @@ from charioteer.scheduling.batch import Batch
 class EngineArgs:
     model: str | None = None  # see charioteer.model.loader.load_model
     scheduler: str = "sarathi"
-    chunk_size: int = 256
+    chunk_size: int | str = 256  # or "auto": follow recent requests' P:D (charioteer.tune.adaptive)
+    min_chunk_size: int = 16
+    max_chunk_size: int = 512
+    tune_table: str | None = None  # chunk_size="auto": table saved by `charioteer tune --save-table`
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     tile_size: int | None = None
@@ -43,6 +46,7 @@ class EngineArgs:
         # Build the sub-configs now so bad values fail before any model is loaded.
         self.scheduler_config = SchedulerConfig(
             policy=self.scheduler, max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_size,
+            min_chunk_size=self.min_chunk_size, max_chunk_size=self.max_chunk_size, tune_table=self.tune_table,
             max_num_batched_tokens=self.max_num_batched_tokens, tile_size=self.tile_size,
             token_budget_mode=self.token_budget_mode,
         )

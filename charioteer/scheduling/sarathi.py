@@ -17,11 +17,33 @@ from charioteer.scheduling.batch import Batch
 class SarathiScheduler(Scheduler):
     name = "sarathi"
 
+    def __init__(self, config, block_manager) -> None:
+        super().__init__(config, block_manager)
+        self.adaptive = None
+        if config.chunk_size == "auto":
+            from charioteer.tune.adaptive import AdaptiveChunkSize
+
+            kwargs = dict(batch_size=config.max_num_seqs, min_chunk=config.min_chunk_size,
+                          max_chunk=config.max_chunk_size, tile_size=config.tile_size)
+            self.adaptive = (AdaptiveChunkSize.from_table_file(config.tune_table, **kwargs) if config.tune_table
+                             else AdaptiveChunkSize(**kwargs))
+
+    @property
+    def chunk_size(self) -> int:
+        return self.adaptive.chunk_size if self.adaptive else self.config.chunk_size
+
+    def on_batch_done(self, batch, sampled):
+        finished = super().on_batch_done(batch, sampled)
+        if self.adaptive:
+            for request in finished:
+                self.adaptive.observe(request.num_prompt_tokens, request.num_output_tokens)
+        return finished
+
     def chunk_len(self, num_decodes: int) -> int:
         """Chunk size for a batch that already holds `num_decodes` decodes."""
-        chunk = self.config.chunk_size
+        chunk = self.chunk_size
         tile = self.config.tile_size
-        if tile:
+        if tile and not self.adaptive:  # adaptive C is aligned when chosen
             aligned = (chunk + num_decodes) // tile * tile - num_decodes
             if aligned >= 1:
                 chunk = aligned

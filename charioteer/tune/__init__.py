@@ -1,0 +1,1 @@
+"""Chunk-size selection: measured tiles, P:D-aware recommendation, adaptive C."""

@@ -1,0 +1,58 @@
+"""Adaptive chunk size: follow the P:D of recent requests online (`chunk_size="auto"`).
+
+The paper fixes C by hand for a known P:D and leaves choosing it online as future work. Here the
+scheduler keeps the prompt and output lengths of the last `window` finished requests and re-picks
+C after each one: with a timing table from `charioteer tune --save-table`, the C of best
+predicted throughput (`recommend_chunk_size`); without one, the balanced C = (P/D)(B-1), moved
+so that C + (B-1) lands on a multiple of the tile when one is set. Changing C between batches
+never changes outputs: a chunk boundary is exact wherever it falls.
+"""
+from __future__ import annotations
+
+import json
+from collections import deque
+
+from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size
+
+
+class AdaptiveChunkSize:
+    def __init__(self, batch_size: int, min_chunk: int, max_chunk: int, tile_size: int | None = None,
+                 table: TimingTable | None = None, window: int = 32) -> None:
+        if not 1 <= min_chunk <= max_chunk:
+            raise ValueError(f"adaptive chunk size needs 1 <= min_chunk_size <= max_chunk_size, got {min_chunk}, {max_chunk}")
+        self.batch_size = batch_size
+        self.min_chunk, self.max_chunk = min_chunk, max_chunk
+        self.tile_size = tile_size
+        self.table = table
+        self.prompt_lens: deque[int] = deque(maxlen=window)
+        self.output_lens: deque[int] = deque(maxlen=window)
+        self.chunk_size = max_chunk  # until a request finishes, favour prefill efficiency
+        self.history: list[tuple[int, int]] = []  # (requests observed, chunk size) at each change
+
+    @classmethod
+    def from_table_file(cls, path: str, **kwargs) -> "AdaptiveChunkSize":
+        with open(path) as f:
+            return cls(table=TimingTable(**json.load(f)), **kwargs)
+
+    def observe(self, prompt_len: int, output_len: int) -> None:
+        """A request finished: update the P:D estimate and the chunk size."""
+        if output_len < 1:
+            return
+        self.prompt_lens.append(prompt_len)
+        self.output_lens.append(output_len)
+        p = sum(self.prompt_lens) / len(self.prompt_lens)
+        d = sum(self.output_lens) / len(self.output_lens)
+        chunk = self._choose(p, d)
+        if chunk != self.chunk_size:
+            self.chunk_size = chunk
+            self.history.append((len(self.history), chunk))
+
+    def _choose(self, prompt_len: float, decode_len: float) -> int:
+        if self.table is not None:
+            return recommend_chunk_size(self.table, prompt_len, decode_len, self.min_chunk, self.max_chunk).chunk_size
+        decodes = self.batch_size - 1
+        chunk = round(prompt_len / decode_len * decodes)
+        if self.tile_size:
+            rows = max(self.tile_size, round((chunk + decodes) / self.tile_size) * self.tile_size)
+            chunk = rows - decodes
+        return min(max(chunk, self.min_chunk), self.max_chunk)

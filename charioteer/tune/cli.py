@@ -1,0 +1,121 @@
+"""`charioteer tune`: measure this device and recommend SARATHI's chunk size for a workload."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size, split_for_pd
+
+
+def measure_table(setup, max_rows: int, seq_len: int, batch_size: int, repeats: int, progress=None) -> TimingTable:
+    """Batch time for 1..max_rows prompt rows, and a decode-only batch of B at the workload's length."""
+    from charioteer.bench.batch_timer import BatchShape
+    from charioteer.bench.experiments import find_steps
+
+    rows_ms = []
+    for n in range(1, max_rows + 1):
+        rows_ms.append(setup.timer.time(BatchShape(prefills=((n, 0),), prefills_sample=False), repeats=repeats).total_s * 1e3)
+        if progress:
+            progress.update()
+    decode = setup.timer.time(BatchShape(decodes=(seq_len,) * batch_size), repeats=repeats)
+    steps = [s["tokens"] for s in find_steps(list(range(1, max_rows + 1)), rows_ms)]
+    return TimingTable(rows_ms, decode.total_s * 1e3, decode.ops_s["attention"] * 1e3 / batch_size, batch_size, steps)
+
+
+def read_trace(path: str) -> tuple[float, float]:
+    """Mean prompt and output length of a CSV trace with prompt_len and decode_len columns."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"prompt_len", "decode_len"} <= set(rows[0]):
+        raise ValueError(f"trace {path} needs a header with prompt_len and decode_len columns and at least one row")
+    p = sum(float(r["prompt_len"]) for r in rows) / len(rows)
+    d = sum(float(r["decode_len"]) for r in rows) / len(rows)
+    if p <= 0 or d <= 0:
+        raise ValueError(f"trace {path}: mean prompt_len and decode_len must be > 0")
+    return p, d
+
+
+def cmd_tune(args) -> int:
+    from charioteer.bench import experiments as ex
+    from charioteer.bench.paper_cli import _progress, _start
+    from charioteer.memory.block_manager import batch_capacity, kv_bytes_per_token
+
+    if (args.pd_ratio is None) == (args.trace is None):
+        raise ValueError("give exactly one of --pd-ratio R or --trace FILE")
+    if args.trace:
+        prompt_len, decode_len = read_trace(args.trace)
+        seq_len = round(prompt_len + decode_len)
+    else:
+        seq_len = args.max_seq_len
+        prompt_len, decode_len = split_for_pd(seq_len, args.pd_ratio)
+    roof = _start(args)
+    setup = ex.make_setup(args.model, args.device, roof, args.num_layers,
+                          max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows)
+    c = setup.model.config
+    kv_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 4)
+    weights = setup.model.weight_bytes
+    from_memory = batch_capacity(int(args.kv_cache_memory_gb * (1 << 30)) + weights, weights, seq_len, kv_token)
+    b = args.batch_size or max(1, min(from_memory, args.max_num_seqs))
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        table = TimingTable(**saved)
+    else:
+        with _progress(args.max_rows, "measuring") as bar:
+            table = measure_table(setup, args.max_rows, seq_len, b, args.repeats, bar)
+    if table.batch_size != b:
+        raise ValueError(f"the table was measured at batch size {table.batch_size}; pass --batch-size {table.batch_size}")
+    if args.save_table:
+        with open(args.save_table, "w") as f:
+            json.dump(table.__dict__, f)
+    rec = recommend_chunk_size(table, prompt_len, decode_len, args.min_chunk, args.max_chunk or args.max_rows)
+    result = {
+        "recommended_chunk_size": rec.chunk_size, "batch_capacity": b, "batch_capacity_from_memory": from_memory,
+        "tile_size": table.tile_size, "steps": table.steps, "pd_ratio": round(prompt_len / decode_len, 3),
+        "prompt_len": prompt_len, "decode_len": decode_len, "seq_len": seq_len,
+        "balanced_chunk_size": round(rec.balanced_chunk_size, 1), "predicted_tok_s": rec.predicted_tok_s,
+        "curve": rec.curve, "model": c.name, "device": args.device, "roofline": roof,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    best = rec.predicted_tok_s
+    print(f"model {c.name}; P = {prompt_len:g}, D = {decode_len:g} (P:D {prompt_len / decode_len:.2f}); batch capacity "
+          f"B = {b} (memory allows {from_memory}); tile: {table.tile_size or 'no step found'}")
+    print(f"balanced C = (P/D)(B-1) = {rec.balanced_chunk_size:.1f}; recommended C = {rec.chunk_size} "
+          f"(C + B - 1 = {rec.chunk_size + b - 1} rows), predicted {best:.1f} tokens/s")
+    every = max(1, len(rec.curve) // 40)
+    for point in rec.curve:
+        if point["chunk_size"] % every and point["chunk_size"] != rec.chunk_size:
+            continue
+        bar = "#" * round(40 * point["predicted_tok_s"] / best)
+        mark = "  <- recommended" if point["chunk_size"] == rec.chunk_size else ""
+        print(f"C={point['chunk_size']:4d} {point['predicted_tok_s']:9.1f} tok/s {bar}{mark}")
+    return 0
+
+
+def add_tune_parser(sub) -> None:
+    from charioteer.bench.paper_cli import _add_common
+
+    p = sub.add_parser("tune", help="measure the device and recommend SARATHI's chunk size for a workload",
+                       description="Measure batch time for every row count up to --max-rows (finding any tile "
+                                   "step), the batch capacity B from memory, and recommend the chunk size C with the "
+                                   "best predicted throughput for the workload's P:D.")
+    _add_common(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--pd-ratio", type=float, default=None, help="prompt tokens per output token")
+    w.add_argument("--trace", default=None, help="CSV with prompt_len and decode_len columns (instead of --pd-ratio)")
+    w.add_argument("--max-seq-len", type=int, default=256, help="sequence length L with --pd-ratio (default: 256)")
+    m = p.add_argument_group("capacity and search")
+    m.add_argument("--batch-size", type=int, default=None, help="B (default: from KV memory, at most --max-num-seqs)")
+    m.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV memory for B (default: 2)")
+    m.add_argument("--max-num-seqs", type=int, default=32, help="upper bound on B (default: 32)")
+    m.add_argument("--max-rows", type=int, default=160, help="measure batches of 1..N rows (default: 160)")
+    m.add_argument("--min-chunk", type=int, default=8, help="smallest C considered (default: 8)")
+    m.add_argument("--max-chunk", type=int, default=None, help="largest C considered (default: --max-rows)")
+    m.add_argument("--repeats", type=int, default=3, help="timed runs per point (default: 3)")
+    m.add_argument("--table", default=None, help="use a table saved by --save-table instead of measuring")
+    m.add_argument("--save-table", default=None, help="save the measured table as JSON")
+    p.set_defaults(func=cmd_tune)
+

@@ -1,0 +1,117 @@
+"""Chunk-size selection: the throughput model on synthetic timing tables, adaptive C, `charioteer tune`."""
+import json
+import math
+
+import pytest
+
+from charioteer.bench.experiments import find_steps
+from charioteer.cli import main
+from charioteer.tune.adaptive import AdaptiveChunkSize
+from charioteer.tune.chunk_size import TimingTable, predict_throughput, recommend_chunk_size
+
+
+def table(fn, max_rows=200, decode_only_ms=40.0, batch_size=16, attention_ms=0.2) -> TimingTable:
+    times = [fn(n) for n in range(1, max_rows + 1)]
+    steps = [s["tokens"] for s in find_steps(list(range(1, max_rows + 1)), times)]
+    return TimingTable(times, decode_only_ms, attention_ms, batch_size, steps)
+
+
+def tiled(n):  # a GPU-like device: time goes up a whole tile of 64 rows at a time
+    return 40.0 * math.ceil(n / 64) + 0.01 * n
+
+
+def smooth(n):  # no steps: a fixed cost (reading the weights) plus a cost per row
+    return 20.0 + 0.5 * n
+
+
+def test_sharp_tile_step_is_found_and_chunks_fill_the_tile():
+    t = table(tiled)
+    assert t.tile_size == 64 and t.steps[:2] == [65, 129]
+    # P:D 196:60 with B = 16: the balanced C is 49, and 49 + 15 fills one tile exactly.
+    rec = recommend_chunk_size(t, 196, 60)
+    assert rec.chunk_size == 49 and rec.chunk_size + 15 == 64
+    assert rec.balanced_chunk_size == pytest.approx(49, abs=0.1)
+    # One token more spills into a second tile and costs nearly twice as much per chunk.
+    assert predict_throughput(t, 50, 196, 60) < 0.6 * predict_throughput(t, 49, 196, 60)
+    # Prefill-heavy, P:D 240:8: 4 chunks of 60 carry the 2 decodes each that exist; 60 + 2 rows
+    # still fit one tile, and fewer chunks would need a second tile per chunk.
+    heavy = recommend_chunk_size(t, 240, 8)
+    assert heavy.chunk_size == 60
+
+
+def test_no_step_found_and_c_grows_with_pd():
+    t = table(smooth)
+    assert t.tile_size is None and t.steps == []
+    chunks = [recommend_chunk_size(t, p, 256 - p, 8, 200).chunk_size for p in (128, 192, 232, 250)]
+    assert chunks == sorted(chunks) and chunks[0] < chunks[-1]
+    assert all(8 <= c <= 200 for c in chunks)
+
+
+def test_predicted_time_counts_riding_and_leftover_decodes():
+    t = TimingTable([10.0] * 100, decode_only_ms=8.0, decode_attention_ms=1.0, batch_size=5)
+    # P = 100, D = 10, C = 50: 2 chunks carry min(4, 5) = 4 decodes each; 2 decodes are left for
+    # decode-only batches of 5. Time: 2 * (10 + 4 * 1) + 2 / 5 * 8 = 31.2 ms for 110 tokens.
+    assert predict_throughput(t, 50, 100, 10) == pytest.approx(110 / 31.2 * 1e3)
+    with pytest.raises(ValueError, match="chunk_size"):
+        predict_throughput(t, 0, 100, 10)
+
+
+def test_adaptive_chunk_size_follows_pd():
+    a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512)
+    assert a.chunk_size == 512  # before anything finished
+    for _ in range(4):
+        a.observe(200, 20)
+    assert a.chunk_size == 80  # (200 / 20) * (9 - 1)
+    for _ in range(40):  # the window forgets the old requests
+        a.observe(50, 50)
+    assert a.chunk_size == 16  # (1 * 8) clamped to the minimum
+    tiled_a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512, tile_size=32)
+    tiled_a.observe(200, 20)
+    assert tiled_a.chunk_size == 88  # 80 + 8 rows = 88 -> 96 rows, a multiple of 32
+    with_table = AdaptiveChunkSize(batch_size=16, min_chunk=8, max_chunk=200, table=table(tiled))
+    with_table.observe(196, 60)
+    assert with_table.chunk_size == 49
+
+
+def test_auto_chunk_size_keeps_outputs_exact(default_model):
+    from charioteer import LLM, SamplingParams
+    from texts import PASSAGE
+
+    words = PASSAGE.split()
+    prompts = [" ".join(words[: 20 + 30 * i]) for i in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    fixed = LLM(default_model, chunk_size=7, max_num_seqs=3).generate(prompts, params)
+    llm = LLM(default_model, chunk_size="auto", min_chunk_size=4, max_chunk_size=64, max_num_seqs=3)
+    auto = llm.generate(prompts, params)
+    assert llm.engine.scheduler.adaptive.history  # C did change during the run
+    assert [o.outputs[0].token_ids for o in auto] == [o.outputs[0].token_ids for o in fixed]
+
+
+def test_auto_chunk_size_is_sarathi_only():
+    from charioteer.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="sarathi"):
+        SchedulerConfig(policy="orca", chunk_size="auto")
+    with pytest.raises(ValueError, match="'auto'"):
+        SchedulerConfig(chunk_size="big")
+
+
+def test_tune_cli_json_and_saved_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    saved = tmp_path / "table.json"
+    rc = main(["tune", "--model", "synthetic:tiny", "--pd-ratio", "10", "--max-seq-len", "64", "--batch-size", "4",
+               "--max-rows", "24", "--repeats", "1", "--json", "--save-table", str(saved)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"recommended_chunk_size", "batch_capacity", "tile_size", "curve"} <= set(out)
+    assert out["batch_capacity"] == 4 and 8 <= out["recommended_chunk_size"] <= 24
+    assert (out["prompt_len"], out["decode_len"]) == (58, 6)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("prompt_len,decode_len\n50,5\n70,15\n")
+    rc = main(["tune", "--model", "synthetic:tiny", "--trace", str(trace), "--batch-size", "4", "--max-rows", "24",
+               "--table", str(saved), "--json"])
+    assert rc == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["prompt_len"], again["decode_len"]) == (60, 10)
+    assert main(["tune", "--model", "synthetic:tiny", "--max-rows", "8"]) == 2  # neither --pd-ratio nor --trace
+    assert "exactly one" in capsys.readouterr().err
