@@ -62,7 +62,7 @@ def test_adaptive_chunk_size_follows_pd():
     for _ in range(4):
         a.observe(200, 20)
     assert a.chunk_size == 80  # (200 / 20) * (9 - 1)
-    for _ in range(40):  # the window forgets the old requests
+    for _ in range(10):  # the window (8) forgets the old requests
         a.observe(50, 50)
     assert a.chunk_size == 16  # (1 * 8) clamped to the minimum
     tiled_a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512, tile_size=32)
@@ -115,3 +115,16 @@ def test_tune_cli_json_and_saved_table(capsys, tmp_path, monkeypatch):
     assert (again["prompt_len"], again["decode_len"]) == (60, 10)
     assert main(["tune", "--model", "synthetic:tiny", "--max-rows", "8"]) == 2  # neither --pd-ratio nor --trace
     assert "exactly one" in capsys.readouterr().err
+
+
+def test_bench_adaptive_json(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rc = main(["bench", "adaptive", "--model", "synthetic:tiny", "--pd-ratios", "8,1", "--chunk-sizes", "8,32",
+               "--batch-size", "4", "--seq-len", "48", "--num-requests", "8", "--tile-size", "8", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["chunk_size"] for r in out["runs"]] == ["auto", 8, 32]
+    auto = out["runs"][0]["phases"]
+    assert [p["prompt_len"] for p in auto] == [43, 24]
+    assert auto[0]["chunk_size_last"] != auto[1]["chunk_size_last"]  # C moved with the P:D shift
+    assert [c["phase"] for c in out["phase_checks"]] == [0, 1] and out["auto_over_worst"] > 0

@@ -55,9 +55,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     cap.set_defaults(func=cmd_bench_capacity)
     __import__("charioteer.bench.pipeline", fromlist=["_"]).add_pipeline_bench(sub)  # bench pipeline
 
+    from charioteer.bench.adaptive import add_adaptive_bench
     from charioteer.bench.paper_cli import add_paper_benches
 
     add_paper_benches(sub)
+    add_adaptive_bench(sub)
     return p
 
 

@@ -1,7 +1,7 @@
 """Adaptive chunk size: follow the P:D of recent requests online (`chunk_size="auto"`).
 
 The paper fixes C by hand for a known P:D and leaves choosing it online as future work. Here the
-scheduler keeps the prompt and output lengths of the last `window` finished requests and re-picks
+scheduler keeps the prompt and output lengths of the last `window` (8) finished requests and re-picks
 C after each one: with a timing table from `charioteer tune --save-table`, the C of best
 predicted throughput (`recommend_chunk_size`); without one, the balanced C = (P/D)(B-1), moved
 so that C + (B-1) lands on a multiple of the tile when one is set. Changing C between batches
@@ -17,7 +17,7 @@ from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size
 
 class AdaptiveChunkSize:
     def __init__(self, batch_size: int, min_chunk: int, max_chunk: int, tile_size: int | None = None,
-                 table: TimingTable | None = None, window: int = 32) -> None:
+                 table: TimingTable | None = None, window: int = 8) -> None:
         if not 1 <= min_chunk <= max_chunk:
             raise ValueError(f"adaptive chunk size needs 1 <= min_chunk_size <= max_chunk_size, got {min_chunk}, {max_chunk}")
         self.batch_size = batch_size

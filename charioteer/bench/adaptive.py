@@ -1,0 +1,120 @@
+"""`charioteer bench adaptive`: a workload whose P:D shifts mid-run, adaptive C against static Cs.
+
+The same engine serves phase after phase (for example P:D 50 then 5); every phase's requests
+arrive together once the previous phase has drained, so each phase's throughput is its own tokens
+over its own wall time, and an adaptive scheduler carries what it learned into the next phase
+and has to notice the shift.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+from charioteer.bench.e2e import BLOCK_SIZE, Workload
+from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.memory.block_manager import cdiv
+from charioteer.sampling_params import SamplingParams
+
+
+def run_phases(loaded, chunk_size, phases: list[Workload], batch_size: int, device: str = "cpu",
+               tile_size: int | None = None, tune_table: str | None = None, min_chunk: int = 16,
+               max_chunk: int = 512) -> dict:
+    seq_len = max(w.seq_len for w in phases)
+    engine = LLMEngine(EngineArgs(
+        scheduler="sarathi", chunk_size=chunk_size, max_num_seqs=batch_size, kv_policy="reserve",
+        block_size=BLOCK_SIZE, num_kv_blocks=batch_size * cdiv(seq_len, BLOCK_SIZE), device=device,
+        tile_size=tile_size, tune_table=tune_table, min_chunk_size=min_chunk, max_chunk_size=max_chunk,
+    ), loaded=loaded)
+    vocab = engine.model_config.vocab_size
+    out = []
+    for k, w in enumerate(phases):
+        params = SamplingParams(max_tokens=w.decode_len, ignore_eos=True)
+        for i in range(w.num_requests):
+            engine.add_request([(97 * k + 31 * i + 7 * j + 1) % vocab for j in range(w.prompt_len)], params)
+        start = time.perf_counter()
+        chunks = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            chunks.append(engine.scheduler.chunk_size)
+        elapsed = time.perf_counter() - start
+        out.append({"phase": k, "pd_ratio": w.pd_ratio, "prompt_len": w.prompt_len, "decode_len": w.decode_len,
+                    "elapsed_s": round(elapsed, 3),
+                    "throughput_tok_s": round(w.num_requests * w.seq_len / elapsed, 2),
+                    "chunk_size_first": chunks[0], "chunk_size_last": chunks[-1]})
+    del engine
+    gc.collect()
+    total_tokens = sum(w.num_requests * w.seq_len for w in phases)
+    total_s = sum(p["elapsed_s"] for p in out)
+    return {"chunk_size": chunk_size, "phases": out, "throughput_tok_s": round(total_tokens / total_s, 2)}
+
+
+def compare(loaded, static_chunks: list[int], phases: list[Workload], batch_size: int, device: str, tile_size,
+            tune_table, progress=None) -> dict:
+    runs = []
+    for chunk in ["auto", *static_chunks]:
+        runs.append(run_phases(loaded, chunk, phases, batch_size, device, tile_size=tile_size, tune_table=tune_table))
+        if progress:
+            progress.update()
+    auto, static = runs[0], runs[1:]
+    checks = []
+    for k in range(len(phases)):
+        best = max(static, key=lambda r: r["phases"][k]["throughput_tok_s"])
+        ratio = auto["phases"][k]["throughput_tok_s"] / best["phases"][k]["throughput_tok_s"]
+        checks.append({"phase": k, "best_static_chunk": best["chunk_size"], "auto_over_best": round(ratio, 3),
+                       "within_5pct": ratio >= 0.95})
+    worst = min(static, key=lambda r: r["throughput_tok_s"])
+    return {"runs": runs, "phase_checks": checks, "worst_static_chunk": worst["chunk_size"],
+            "auto_over_worst": round(auto["throughput_tok_s"] / worst["throughput_tok_s"], 3)}
+
+
+def cmd_bench_adaptive(args) -> int:
+    from charioteer.bench import experiments as ex
+    from charioteer.bench.paper_cli import _progress, _setup, _start, format_table
+
+    pds = args.pd_ratios
+    phases = [Workload(args.seq_len, pd, args.num_requests) for pd in pds]
+    roof = _start(args)
+    setup = _setup(args, roof)
+    with _progress(1 + len(args.chunk_sizes), "runs") as bar:
+        result = compare(setup.loaded, args.chunk_sizes, phases, args.batch_size, args.device, args.tile_size,
+                         args.tune_table, bar)
+    result.update({"batch_size": args.batch_size, "seq_len": args.seq_len, "num_requests_per_phase": args.num_requests,
+                   "pd_ratios": pds, "tile_size": args.tile_size, "roofline": roof, "model": setup.model.config.name,
+                   "threads": ex.threads()})
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    rows = []
+    for run in result["runs"]:
+        row = {"chunk_size": run["chunk_size"], "overall_tok_s": run["throughput_tok_s"]}
+        for p in run["phases"]:
+            row[f"phase{p['phase']}_tok_s"] = p["throughput_tok_s"]
+        rows.append(row)
+    cols = ["chunk_size", *[f"phase{k}_tok_s" for k in range(len(phases))], "overall_tok_s"]
+    print(f"P:D by phase: {', '.join(map(str, pds))}; L = {args.seq_len}, B = {args.batch_size}, "
+          f"{args.num_requests} requests per phase")
+    print(format_table(rows, cols))
+    print(format_table(result["phase_checks"], ["phase", "best_static_chunk", "auto_over_best", "within_5pct"]))
+    print(f"auto over the worst static C ({result['worst_static_chunk']}): {result['auto_over_worst']}x")
+    return 0
+
+
+def add_adaptive_bench(bench_sub) -> None:
+    from charioteer.bench.paper_cli import _add_common, _floats, _ints
+
+    p = bench_sub.add_parser("adaptive", help="adaptive chunk size against static ones on a P:D that shifts",
+                             description="Serve phases of requests with different P:D ratios on one engine, with "
+                                         "chunk_size='auto' and with each static chunk size; report throughput per phase.")
+    _add_common(p)
+    p.add_argument("--pd-ratios", type=_floats, default=[50, 5], help="P:D of each phase (default: 50,5)")
+    p.add_argument("--chunk-sizes", type=_ints, default=[17, 33, 49, 113, 241],
+                   help="static chunk sizes to compare (default: 17,33,49,113,241: C + 15 = 32..256 rows)")
+    p.add_argument("--batch-size", type=int, default=16, help="batch size B (default: 16)")
+    p.add_argument("--seq-len", type=int, default=256, help="sequence length (default: 256)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per phase (default: 64)")
+    p.add_argument("--tile-size", type=int, default=64,
+                   help="auto aligns C + B - 1 to this many rows (default: 64, this CPU's packed-GEMM step)")
+    p.add_argument("--tune-table", default=None, help="auto picks C from this `charioteer tune --save-table` table")
+    p.set_defaults(func=cmd_bench_adaptive)
+
