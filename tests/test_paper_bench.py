@@ -122,3 +122,12 @@ def test_paper_quick_writes_report_plots_and_json(capsys, tmp_path):
         assert heading in report
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == 6
+
+
+def test_matmul_sweep_reports_plain_and_packed_gemm():
+    from charioteer.bench.roofline import matmul_sweep
+    from charioteer.model.llama import packed_gemm_available
+
+    rows = matmul_sweep("cpu", rows=(1, 8), shape=(64, 32), repeats=1)
+    assert [r["rows"] for r in rows] == [1, 8] and all(r["linear_gflops"] > 0 for r in rows)
+    assert all("packed_gflops" in r for r in rows) == packed_gemm_available(__import__("torch").device("cpu"))

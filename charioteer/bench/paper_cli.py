@@ -206,8 +206,15 @@ def cmd_tile(args) -> int:
 
 
 def cmd_roofline(args) -> int:
+    from charioteer.bench.roofline import matmul_sweep
+
     roof = _start(args)
-    _emit(args, roof, json.dumps(roof, indent=2))
+    text = json.dumps(roof, indent=2)
+    if args.sweep:
+        roof = {**roof, "matmul_sweep": matmul_sweep(args.device)}
+        text += ("\nfp32 GFLOP/s of a 22016 x 4096 weight (LLaMA-7B gate/up) by batch rows:\n"
+                 + format_table(roof["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops"]))
+    _emit(args, roof, text)
     return 0
 
 
@@ -322,4 +329,6 @@ def add_paper_benches(bench_sub) -> None:
     p = bench_sub.add_parser("roofline", help="peak fp32 matmul FLOP/s and memory bandwidth of this device",
                              description="Measure (or read from the cache) the device's roofline.")
     _add_common(p)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time a LLaMA-7B-shaped matmul by batch rows, plain and packed GEMM")
     p.set_defaults(func=cmd_roofline)

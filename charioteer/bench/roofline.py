@@ -107,6 +107,30 @@ def roofline(device: str | torch.device = "cpu", refresh: bool = False) -> dict:
     return {**entry, "cached": False}
 
 
+def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
+                 shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
+    """GFLOP/s of y = x @ W.T by batch rows, for plain F.linear and, on CPU, the engine's packed GEMM."""
+    import torch.nn.functional as F
+
+    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
+
+    device = torch.device(device)
+    n, k = shape
+    w = torch.randn(n, k, device=device)
+    packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS)
+              if packed_gemm_available(device) else None)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device=device)
+        flops = 2 * m * n * k
+        row = {"rows": m, "linear_gflops": round(flops / _best_time(lambda: F.linear(x, w), device, repeats) / 1e9, 1)}
+        if packed is not None:
+            t = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m), device, repeats)
+            row["packed_gflops"] = round(flops / t / 1e9, 1)
+        out.append(row)
+    return out
+
+
 def describe(r: dict) -> str:
     return (f"roofline: peak fp32 matmul {r['peak_matmul_gflops']:.0f} GFLOP/s, memory bandwidth "
             f"{r['memory_bandwidth_gbs']:.1f} GB/s, ridge {r['ridge_flops_per_byte']:.0f} FLOP/byte "
