@@ -88,3 +88,32 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
     assert sum(times) == pytest.approx(true_model.predict(records[0][0]), rel=1e-3) and p2p == 0.0
     with pytest.raises(ValueError, match="lacks"):
         ProfiledCostModel({"batch": 1.0})
+
+
+def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, capsys):
+    import json
+
+    from charioteer.cli import main
+    from charioteer.sim.cost import ProfiledCostModel
+    from charioteer.sim.specs import ClusterConfig, hardware_spec, model_shape
+    from charioteer.tune.chunk_size import TimingTable
+
+    table = TimingTable([10.0 + n for n in range(1, 65)], decode_only_ms=30.0, decode_attention_ms=2.0, batch_size=4,
+                        num_layers=2, hidden_size=128, context_len=100)
+    shape = model_shape("layers=4,hidden=128,ffn=352,heads=4,vocab=512")
+    cost = ProfiledCostModel(shape, hardware_spec("a100-80gb"), ClusterConfig(pp=2), table)
+    times, _, _ = cost.batch_cost([(20, 0, True), (1, 99, False)], num_samples=0)
+    # 21 rows: (10 + 21) ms per 2 measured layers; one decode of context 100: 2 ms per 2 layers.
+    per_layer = (31.0 + 2.0) / 2 / 1e3
+    assert times == [pytest.approx(2 * per_layer), pytest.approx(2 * per_layer)]
+    with pytest.raises(ValueError, match="hidden size"):
+        ProfiledCostModel(model_shape("layers=4,hidden=256,ffn=352,heads=4"), hardware_spec("a100-80gb"),
+                          ClusterConfig(), table)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table.__dict__))
+    rc = main(["simulate", "--model", "layers=4,hidden=128,ffn=352,heads=4,vocab=512", "--cost-table", str(path),
+               "--scheduler", "sarathi", "--scheduler", "orca", "--pp", "2", "--num-requests", "40", "--min-len", "32",
+               "--max-len", "96", "--chunk-size", "32", "--batch-cap", "4", "--json", "--no-progress"])
+    assert rc == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["scheduler"] for r in runs] == ["sarathi", "orca"] and all(r["completion_time_s"] > 0 for r in runs)

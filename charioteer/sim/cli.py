@@ -30,6 +30,9 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("deployment")
     g.add_argument("--model", default="llama-13b", help=f"{', '.join(MODEL_PRESETS)}, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'")
     g.add_argument("--hardware", default="a100-80gb", choices=sorted(HARDWARE_PRESETS))
+    g.add_argument("--cost-table", default=None,
+                   help="price batches from a table measured on the real engine (`charioteer tune --save-table`) "
+                        "instead of the roofline; its model shape and device are what it measured (use --tp 1)")
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
@@ -95,7 +98,8 @@ def build_runs(args):
     for policy in args.scheduler or ["sarathi"]:
         specs.append(RunSpec(f"{policy}-tp{cluster.tp}-pp{cluster.pp}-x{cluster.replicas}", policy, model, hw, cluster,
                              chunk_size=args.chunk_size, batch_cap=args.batch_cap, max_seq_len=args.max_seq_len,
-                             tile_size=args.tile_size, max_num_batched_tokens=args.max_num_batched_tokens))
+                             tile_size=args.tile_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                             cost_table=args.cost_table))
     return specs, wspec
 
 

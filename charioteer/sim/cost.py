@@ -191,3 +191,35 @@ class RooflineCostModel(CostModel):
         flops = (self._flops_per_token * tokens + self.model.num_layers * att_flops
                  + 2.0 * num_samples * self.model.hidden_size * self.model.vocab_size)
         return times, self.p2p_time(tokens), flops
+
+
+class ProfiledCostModel(RooflineCostModel):
+    """Layer time from a table measured on the real engine (`charioteer tune --save-table`).
+
+    The table holds the measured time of a batch of n prompt rows (n = 1..N; linear layers, their
+    attention and element-wise work) and of one decode's attention at a known context. Per layer:
+    linear time = table(n) / measured layers; decode attention scales with context length.
+    Communication (TP all-reduce, PP send/recv), the LM head and the stage split stay as in the
+    roofline model. Only valid for the model shape and device that were measured.
+    """
+
+    def __init__(self, model: ModelShape, hardware: HardwareSpec, cluster: ClusterConfig, table) -> None:
+        super().__init__(model, hardware, cluster)
+        if cluster.tp != 1:
+            raise ValueError("a profiled table is per device: use it with --tp 1")
+        if table.hidden_size and table.hidden_size != model.hidden_size:
+            raise ValueError(f"the table was measured on hidden size {table.hidden_size}, the model has {model.hidden_size}")
+        self.table = table
+        self._per_layer = 1e-3 / max(table.num_layers, 1)
+
+    def linear_time(self, num_tokens: int) -> float:
+        return self.table.rows_ms(num_tokens) * self._per_layer if num_tokens else 0.0
+
+    def prefill_attention_time(self, chunk: int, cached: int) -> float:
+        return 0.0  # inside the measured batch times (cached prefixes are short next to the chunk)
+
+    def decode_attention_time(self, context_lens) -> float:
+        total = sum(context_lens)
+        if not total or not self.table.context_len:
+            return 0.0
+        return self.table.decode_attention_ms * self._per_layer * total / self.table.context_len

@@ -29,6 +29,7 @@ class RunSpec:
     max_seq_len: int | None = None  # None: the workload's longest request (max_len for synthetic lengths)
     tile_size: int | None = None
     max_num_batched_tokens: int | None = None
+    cost_table: str | None = None  # a `charioteer tune --save-table` table: ProfiledCostModel
 
 
 @dataclass
@@ -123,7 +124,16 @@ def run_one(spec: RunSpec, workload: Workload, workload_spec: WorkloadSpec | Non
         cap = plan_memory(spec.model, spec.hardware, spec.cluster, max_len).batch_cap
     setup = ReplicaSetup(spec.scheduler, cap, max_len, chunk_size=spec.chunk_size, tile_size=spec.tile_size,
                          max_num_batched_tokens=spec.max_num_batched_tokens)
-    cost = RooflineCostModel(spec.model, spec.hardware, spec.cluster)
+    if spec.cost_table:
+        import json
+
+        from charioteer.sim.cost import ProfiledCostModel
+        from charioteer.tune.chunk_size import TimingTable
+
+        with open(spec.cost_table) as f:
+            cost = ProfiledCostModel(spec.model, spec.hardware, spec.cluster, TimingTable(**json.load(f)))
+    else:
+        cost = RooflineCostModel(spec.model, spec.hardware, spec.cluster)
     result = Simulator(setup, spec.cluster, cost, trace_batches=trace_batches).run(workload, progress=progress)
     return RunOutput(spec, result, summarize(spec, result, cap, time.perf_counter() - t0))
 

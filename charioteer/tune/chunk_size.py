@@ -27,6 +27,10 @@ class TimingTable:
     decode_attention_ms: float = 0.0  # extra time per decode riding in a hybrid batch (its attention)
     batch_size: int = 1  # B the decode-only time was measured at
     steps: list[int] = field(default_factory=list)  # row counts where the time steps up
+    # What was measured, so a simulator can scale the table to other layer counts and contexts.
+    num_layers: int = 1
+    hidden_size: int = 0
+    context_len: int = 0  # the decodes' context length
 
     def __post_init__(self) -> None:
         if not self.batch_ms or min(self.batch_ms) <= 0:

@@ -20,7 +20,9 @@ def measure_table(setup, max_rows: int, seq_len: int, batch_size: int, repeats: 
             progress.update()
     decode = setup.timer.time(BatchShape(decodes=(seq_len,) * batch_size), repeats=repeats)
     steps = [s["tokens"] for s in find_steps(list(range(1, max_rows + 1)), rows_ms)]
-    return TimingTable(rows_ms, decode.total_s * 1e3, decode.ops_s["attention"] * 1e3 / batch_size, batch_size, steps)
+    c = setup.model.config
+    return TimingTable(rows_ms, decode.total_s * 1e3, decode.ops_s["attention"] * 1e3 / batch_size, batch_size, steps,
+                       num_layers=c.num_layers, hidden_size=c.hidden_size, context_len=seq_len)
 
 
 def read_trace(path: str) -> tuple[float, float]:
