@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from charioteer.bench.batch_timer import OPS, BatchShape, BatchTimer
+from charioteer.bench.batch_timer import BatchShape, BatchTimer
 from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, pd_grid, run_e2e
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model

@@ -239,6 +239,7 @@ def cmd_paper(args) -> int:
         results["chunk_ablation"] = ex.chunk_ablation(setup, **plan["chunk_ablation"], progress=bar)
         results["tile"] = ex.tile_sweep(setup, **plan["tile"], progress=bar)
     results.update(_meta(args, setup, roof))
+    results["paper"] = ex.PAPER  # the paper's numbers, for comparison
     results["wall_s"] = round(time.perf_counter() - started, 1)
     summary = write_report(results, args.out)
     results["summary"] = summary

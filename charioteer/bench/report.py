@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-from charioteer.bench.experiments import PAPER
 
 
 def _plt():
@@ -253,5 +252,3 @@ def _plot_tile(r, out):
     ax.set_title("Figure 7: iteration time by token count (red: steps)")
     return _save(fig, out, "figure7_tile.png")
 
-
-__all__ = ["write_report", "summarise", "PAPER"]

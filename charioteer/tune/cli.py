@@ -1,7 +1,6 @@
 """`charioteer tune`: measure this device and recommend SARATHI's chunk size for a workload."""
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 
@@ -11,15 +10,12 @@ from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size, split_
 def measure_table(setup, max_rows: int, seq_len: int, batch_size: int, repeats: int, progress=None) -> TimingTable:
     """Batch time for 1..max_rows prompt rows, and a decode-only batch of B at the workload's length."""
     from charioteer.bench.batch_timer import BatchShape
-    from charioteer.bench.experiments import find_steps
+    from charioteer.bench.experiments import tile_sweep
 
-    rows_ms = []
-    for n in range(1, max_rows + 1):
-        rows_ms.append(setup.timer.time(BatchShape(prefills=((n, 0),), prefills_sample=False), repeats=repeats).total_s * 1e3)
-        if progress:
-            progress.update()
+    sweep = tile_sweep(setup, 1, max_rows, repeats, progress=progress)
+    rows_ms = [p["ms"] for p in sweep["points"]]
+    steps = [s["tokens"] for s in sweep["steps"]]
     decode = setup.timer.time(BatchShape(decodes=(seq_len,) * batch_size), repeats=repeats)
-    steps = [s["tokens"] for s in find_steps(list(range(1, max_rows + 1)), rows_ms)]
     c = setup.model.config
     return TimingTable(rows_ms, decode.total_s * 1e3, decode.ops_s["attention"] * 1e3 / batch_size, batch_size, steps,
                        num_layers=c.num_layers, hidden_size=c.hidden_size, context_len=seq_len)
