@@ -128,3 +128,10 @@ def test_bench_adaptive_json(capsys, tmp_path, monkeypatch):
     assert [p["prompt_len"] for p in auto] == [43, 24]
     assert auto[0]["chunk_size_last"] != auto[1]["chunk_size_last"]  # C moved with the P:D shift
     assert [c["phase"] for c in out["phase_checks"]] == [0, 1] and out["auto_over_worst"] > 0
+
+
+def test_tile_is_the_largest_step_not_the_first():
+    def kernel_blocks(n):  # small steps at 3 and 5 rows, a big one past 64
+        return 10.0 + (1.5 if n > 2 else 0) + (1.5 if n > 4 else 0) + (12.0 if n > 64 else 0) + 0.01 * n
+    t = table(kernel_blocks, max_rows=100)
+    assert t.steps == [3, 5, 65] and t.tile_size == 64

@@ -50,8 +50,15 @@ class TimingTable:
 
     @property
     def tile_size(self) -> int | None:
-        """Rows per tile: the first step's row count minus one, if the table has a step."""
-        return self.steps[0] - 1 if self.steps else None
+        """Rows per tile: where the largest step (relative jump) starts, if the table has a step.
+
+        Small kernels show several small steps too (MKL's packed GEMM steps at 2^k + 1 rows);
+        the largest one is what chunk alignment has to respect.
+        """
+        steps = [n for n in self.steps if 2 <= n <= self.max_rows]
+        if not steps:
+            return None
+        return max(steps, key=lambda n: self.batch_ms[n - 1] / self.batch_ms[n - 2]) - 1
 
 
 def predict_throughput(table: TimingTable, chunk_size: int, prompt_len: float, decode_len: float) -> float:
