@@ -24,7 +24,7 @@ def test_bad_sampling_params(make_params, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(scheduler="fcfs"), "unknown scheduler 'fcfs': choose one of sarathi, orca, vllm, request-level"),
-    (dict(chunk_size=0), "chunk_size must be an integer >= 1, got 0"),
+    (dict(chunk_size=0), "chunk_size must be an integer >= 1 or .auto., got 0"),
     (dict(kv_policy="static"), "unknown kv_policy 'static'"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
 ])
