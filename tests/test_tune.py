@@ -71,6 +71,8 @@ def test_adaptive_chunk_size_follows_pd():
     with_table = AdaptiveChunkSize(batch_size=16, min_chunk=8, max_chunk=200, table=table(tiled))
     with_table.observe(196, 60)
     assert with_table.chunk_size == 49
+    with pytest.raises(ValueError, match="measured at batch size 16"):
+        AdaptiveChunkSize(batch_size=8, min_chunk=8, max_chunk=200, table=table(tiled))
 
 
 def test_auto_chunk_size_keeps_outputs_exact(default_model):

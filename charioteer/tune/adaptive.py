@@ -20,6 +20,9 @@ class AdaptiveChunkSize:
                  table: TimingTable | None = None, window: int = 8) -> None:
         if not 1 <= min_chunk <= max_chunk:
             raise ValueError(f"adaptive chunk size needs 1 <= min_chunk_size <= max_chunk_size, got {min_chunk}, {max_chunk}")
+        if table is not None and table.batch_size != batch_size:
+            raise ValueError(f"the tune table was measured at batch size {table.batch_size} but max_num_seqs is "
+                             f"{batch_size}: run `charioteer tune --batch-size {batch_size} --save-table ...` again")
         self.batch_size = batch_size
         self.min_chunk, self.max_chunk = min_chunk, max_chunk
         self.tile_size = tile_size
