@@ -5,8 +5,8 @@ n = 1..N (measured by `charioteer tune`, or given by a test), plus the time of a
 of B requests and the extra attention cost of one decode. From it a steady-state model predicts
 throughput for a workload with P prompt and D output tokens per request:
 
-- each request's prompt takes ceil(P / C) batches of C + d rows, where d = min(B - 1, D·C/P)
-  decodes ride along (all of them once P:D >= C/(B-1));
+- each request's prompt takes floor(P / C) batches of C + d rows and, if C does not divide P, one
+  of (P mod C) + d rows, where d = min(B - 1, D / chunks) decodes ride along;
 - decodes that cannot ride (P:D < C/(B-1)) run in decode-only batches of B;
 - throughput = (P + D) / (time per request).
 
@@ -66,12 +66,15 @@ def predict_throughput(table: TimingTable, chunk_size: int, prompt_len: float, d
     if chunk_size < 1 or prompt_len <= 0 or decode_len < 0:
         raise ValueError(f"need chunk_size >= 1, prompt_len > 0, decode_len >= 0; got {chunk_size}, {prompt_len}, {decode_len}")
     b = table.batch_size
-    chunks = math.ceil(prompt_len / chunk_size)
-    riding = min(b - 1, decode_len / chunks) if chunks else 0.0  # decodes per chunk batch
-    rows = chunk_size + math.ceil(riding)
-    chunk_ms = table.rows_ms(rows) + riding * table.decode_attention_ms
+    full = math.floor(prompt_len / chunk_size)
+    rest = math.ceil(prompt_len - full * chunk_size)  # the prompt's last, shorter chunk
+    chunks = full + (1 if rest > 0 else 0)
+    riding = min(b - 1, decode_len / chunks)  # decodes per chunk batch
+    extra = math.ceil(riding)
+    ms = full * table.rows_ms(chunk_size + extra) + (table.rows_ms(rest + extra) if rest > 0 else 0.0)
+    ms += chunks * riding * table.decode_attention_ms
     left = max(0.0, decode_len - riding * chunks)  # decodes that run without a chunk
-    ms = chunks * chunk_ms + left / b * table.decode_only_ms
+    ms += left / b * table.decode_only_ms
     return (prompt_len + decode_len) / ms * 1e3
 
 
