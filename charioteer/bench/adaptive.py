@@ -11,27 +11,19 @@ import gc
 import json
 import time
 
-from charioteer.bench.e2e import BLOCK_SIZE, Workload
-from charioteer.engine.llm_engine import EngineArgs, LLMEngine
-from charioteer.memory.block_manager import cdiv
-from charioteer.sampling_params import SamplingParams
+from charioteer.bench.e2e import Workload, add_requests, engine_args
+from charioteer.engine.llm_engine import LLMEngine
 
 
 def run_phases(loaded, chunk_size, phases: list[Workload], batch_size: int, device: str = "cpu",
                tile_size: int | None = None, tune_table: str | None = None, min_chunk: int = 16,
                max_chunk: int = 512) -> dict:
-    seq_len = max(w.seq_len for w in phases)
-    engine = LLMEngine(EngineArgs(
-        scheduler="sarathi", chunk_size=chunk_size, max_num_seqs=batch_size, kv_policy="reserve",
-        block_size=BLOCK_SIZE, num_kv_blocks=batch_size * cdiv(seq_len, BLOCK_SIZE), device=device,
-        tile_size=tile_size, tune_table=tune_table, min_chunk_size=min_chunk, max_chunk_size=max_chunk,
-    ), loaded=loaded)
-    vocab = engine.model_config.vocab_size
+    longest = max(phases, key=lambda w: w.seq_len)
+    engine = LLMEngine(engine_args("sarathi", chunk_size, batch_size, longest, device, tile_size, tune_table=tune_table,
+                                   min_chunk_size=min_chunk, max_chunk_size=max_chunk), loaded=loaded)
     out = []
     for k, w in enumerate(phases):
-        params = SamplingParams(max_tokens=w.decode_len, ignore_eos=True)
-        for i in range(w.num_requests):
-            engine.add_request([(97 * k + 31 * i + 7 * j + 1) % vocab for j in range(w.prompt_len)], params)
+        add_requests(engine, w, salt=97 * k)
         start = time.perf_counter()
         chunks = []
         while engine.has_unfinished_requests():

@@ -59,8 +59,9 @@ def balanced_pd(chunk_size: int, batch_size: int) -> float:
     return chunk_size / max(batch_size - 1, 1)
 
 
-def engine_args(policy: str, chunk_size: int, batch_size: int, workload: Workload, device: str,
-                tile_size: int | None = None) -> EngineArgs:
+def engine_args(policy: str, chunk_size: int | str, batch_size: int, workload: Workload, device: str,
+                tile_size: int | None = None, **extra) -> EngineArgs:
+    """The paper's setup for a policy: KV reserved at admission for exactly B requests of the workload's length."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     scheduler = {"request-level": "request-level", "orca-worst": "orca", "orca-best": "orca", "sarathi": "sarathi"}[policy]
@@ -69,8 +70,16 @@ def engine_args(policy: str, chunk_size: int, batch_size: int, workload: Workloa
         scheduler=scheduler, chunk_size=chunk_size, max_num_seqs=batch_size, max_num_batched_tokens=budget,
         tile_size=tile_size if policy == "sarathi" else None,
         kv_policy="reserve", block_size=BLOCK_SIZE,
-        num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device,
+        num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device, **extra,
     )
+
+
+def add_requests(engine: LLMEngine, workload: Workload, salt: int = 0) -> None:
+    """Queue the workload's requests: distinct token-id prompts of P tokens, exactly D outputs (EOS ignored)."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=workload.decode_len, ignore_eos=True)
+    for i in range(workload.num_requests):
+        engine.add_request([(salt + 31 * i + 7 * j + 1) % vocab for j in range(workload.prompt_len)], params)
 
 
 class _TimedModel:
@@ -108,10 +117,7 @@ def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, 
         return batch
 
     engine.scheduler.schedule = counted_schedule
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=workload.decode_len, ignore_eos=True)
-    for i in range(workload.num_requests):
-        engine.add_request([(31 * i + 7 * j + 1) % vocab for j in range(workload.prompt_len)], params)
+    add_requests(engine, workload)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -267,10 +267,9 @@ def tile_sweep(setup: Setup, start: int = 1, stop: int = 160, repeats: int = 3, 
     """
     points = []
     for n in range(start, stop + 1):
-        t = setup.timer.time(BatchShape(prefills=((n, 0),), prefills_sample=False), repeats=repeats)
-        points.append({"tokens": n, "ms": _ms(t.total_s),
-                       "gflops": round(BatchShape(prefills=((n, 0),), prefills_sample=False).flops(setup.model.config)
-                                       / t.total_s / 1e9, 1)})
+        shape = BatchShape(prefills=((n, 0),), prefills_sample=False)
+        t = setup.timer.time(shape, repeats=repeats)
+        points.append({"tokens": n, "ms": _ms(t.total_s), "gflops": round(shape.flops(setup.model.config) / t.total_s / 1e9, 1)})
         if progress:
             progress.update()
     return {"points": points, "steps": find_steps([p["tokens"] for p in points], [p["ms"] for p in points], threshold)}
