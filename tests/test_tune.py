@@ -56,23 +56,43 @@ def test_predicted_time_counts_riding_and_leftover_decodes():
         predict_throughput(t, 0, 100, 10)
 
 
+def _observe(a: AdaptiveChunkSize, prompt_len: int, output_len: int) -> None:
+    a.observe(prompt_len, output_len)
+    a.update()
+
+
 def test_adaptive_chunk_size_follows_pd():
     a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512)
+    a.update([(200, 3)])
     assert a.chunk_size == 512  # before anything finished
     for _ in range(4):
-        a.observe(200, 20)
+        _observe(a, 200, 20)
     assert a.chunk_size == 80  # (200 / 20) * (9 - 1)
     for _ in range(10):  # the window (8) forgets the old requests
-        a.observe(50, 50)
+        _observe(a, 50, 50)
     assert a.chunk_size == 16  # (1 * 8) clamped to the minimum
     tiled_a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512, tile_size=32)
-    tiled_a.observe(200, 20)
+    _observe(tiled_a, 200, 20)
     assert tiled_a.chunk_size == 88  # 80 + 8 rows = 88 -> 96 rows, a multiple of 32
     with_table = AdaptiveChunkSize(batch_size=16, min_chunk=8, max_chunk=200, table=table(tiled))
-    with_table.observe(196, 60)
+    _observe(with_table, 196, 60)
     assert with_table.chunk_size == 49
     with pytest.raises(ValueError, match="measured at batch size 16"):
         AdaptiveChunkSize(batch_size=8, min_chunk=8, max_chunk=200, table=table(tiled))
+
+
+def test_adaptive_follows_running_requests_before_they_finish():
+    a = AdaptiveChunkSize(batch_size=9, min_chunk=16, max_chunk=512)
+    for _ in range(8):
+        _observe(a, 240, 6)
+    assert a.chunk_size == 320  # P:D 40
+    # New requests with shorter prompts that have produced fewer tokens than the mean so far: only
+    # their prompt lengths count, their outputs are taken as the mean (6).
+    a.update([(120, 2)] * 8)
+    assert a.chunk_size == 240  # P 180, D 6
+    # Once they pass the finished mean, their outputs so far are lower bounds that raise D.
+    a.update([(120, 30)] * 8)
+    assert a.chunk_size == 80  # P 180, D (8*6 + 8*30)/16 = 18
 
 
 def test_auto_chunk_size_keeps_outputs_exact(default_model):

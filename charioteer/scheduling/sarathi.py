@@ -37,6 +37,7 @@ class SarathiScheduler(Scheduler):
         if self.adaptive:
             for request in finished:
                 self.adaptive.observe(request.num_prompt_tokens, request.num_output_tokens)
+            self.adaptive.update([(r.num_prompt_tokens, r.num_output_tokens) for r in self.running])
         return finished
 
     def chunk_len(self, num_decodes: int) -> int:

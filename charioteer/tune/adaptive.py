@@ -1,11 +1,16 @@
 """Adaptive chunk size: follow the P:D of recent requests online (`chunk_size="auto"`).
 
 The paper fixes C by hand for a known P:D and leaves choosing it online as future work. Here the
-scheduler keeps the prompt and output lengths of the last `window` (8) finished requests and re-picks
-C after each one: with a timing table from `charioteer tune --save-table`, the C of best
+scheduler keeps the prompt and output lengths of the last `window` (8) finished requests, and
+re-picks C after every batch from those and from the requests still running: with a timing table from `charioteer tune --save-table`, the C of best
 predicted throughput (`recommend_chunk_size`); without one, the balanced C = (P/D)(B-1), moved
 so that C + (B-1) lands on a multiple of the tile when one is set. Changing C between batches
 never changes outputs: a chunk boundary is exact wherever it falls.
+
+Running requests make the estimate follow a shift in P:D before the new requests finish. Their
+prompt lengths are known. Their output lengths are not, but a request that has already produced
+k tokens will produce at least k: it counts as max(k, the finished requests' mean). That only
+raises the estimate on evidence, so short-output phases are not disturbed.
 """
 from __future__ import annotations
 
@@ -38,14 +43,20 @@ class AdaptiveChunkSize:
             return cls(table=TimingTable(**json.load(f)), **kwargs)
 
     def observe(self, prompt_len: int, output_len: int) -> None:
-        """A request finished: update the P:D estimate and the chunk size."""
+        """A request finished: remember its lengths (the estimate moves on the next `update`)."""
         if output_len < 1:
             return
         self.prompt_lens.append(prompt_len)
         self.output_lens.append(output_len)
-        p = sum(self.prompt_lens) / len(self.prompt_lens)
-        d = sum(self.output_lens) / len(self.output_lens)
-        chunk = self._choose(p, d)
+
+    def update(self, running: list[tuple[int, int]] = ()) -> None:
+        """Re-pick C from the finished requests and the running ones, as (prompt length, outputs so far)."""
+        if not self.output_lens:
+            return  # no output length seen yet
+        finished_d = sum(self.output_lens) / len(self.output_lens)
+        prompts = [*self.prompt_lens, *(p for p, _ in running)]
+        outputs = [*self.output_lens, *(max(k, finished_d) for _, k in running)]
+        chunk = self._choose(sum(prompts) / len(prompts), sum(outputs) / len(outputs))
         if chunk != self.chunk_size:
             self.chunk_size = chunk
             self.history.append((len(self.history), chunk))
