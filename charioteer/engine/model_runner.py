@@ -36,6 +36,14 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return table[pos // bs] * bs + pos % bs
 
+    def _contiguous_start(self, entry: BatchEntry, end: int) -> int | None:
+        """First slot of positions [0, end) when they are one run of consecutive slots, else None."""
+        bs = self.blocks.block_size
+        table = self.blocks.block_table(entry.request)[:-(-end // bs)]
+        if table != list(range(table[0], table[0] + len(table))):
+            return None
+        return table[0] * bs
+
     @staticmethod
     def _wants_prompt_logprobs(entry: BatchEntry) -> bool:
         r = entry.request
@@ -54,6 +62,7 @@ class ModelRunner:
         flat_rows: list[int] = []  # batch rows whose logits are computed
         rows_per_entry: list[list[int]] = []  # for each entry, its rows of the logits tensor
         decode_contexts: list[torch.Tensor] = []
+        decode_runs: list[tuple[int, int]] | None = []
         offset = 0
         for entry in order:
             r, start, end = entry.request, entry.start, entry.end
@@ -65,9 +74,12 @@ class ModelRunner:
                 mask = None
                 if start > 0:
                     mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask))
+                prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask,
+                                            self._contiguous_start(entry, end) if start > 0 else None))
             else:
                 decode_contexts.append(context)
+                run_start = self._contiguous_start(entry, end) if decode_runs is not None else None
+                decode_runs = None if run_start is None else decode_runs + [(run_start, end)]
             if self._wants_prompt_logprobs(entry):
                 rows = range(offset, offset + entry.num_tokens)
             else:
@@ -93,13 +105,15 @@ class ModelRunner:
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
+            decode_runs=decode_runs or None,
         )
         return inp, order, rows_per_entry
 
     def _to_device(self, span: PrefillSpan) -> PrefillSpan:
         if span.context_slots is None or self.device.type == "cpu":
             return span
-        return PrefillSpan(span.offset, span.num_tokens, span.start_pos, span.context_slots.to(self.device), span.mask.to(self.device))
+        return PrefillSpan(span.offset, span.num_tokens, span.start_pos, span.context_slots.to(self.device),
+                           span.mask.to(self.device), span.context_start)
 
     def execute(self, batch: Batch, hooks=None) -> BatchResult:
         inp, order, rows_per_entry = self.prepare(batch)
