@@ -50,3 +50,36 @@ def test_contiguous_start_only_for_consecutive_blocks():
     blocks._tables["r"] = [3, 5, 4]
     assert runner._contiguous_start(entry, 12) is None
     assert runner._contiguous_start(entry, 4) == 12
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    from charioteer.sampling_params import SamplingParams
+
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_prefer_contiguous_blocks_after_mixed_frees():
+    """Reservations of different sizes leave the free list fragmented; a new reservation still gets
+    a consecutive run when one exists, and a growing request gets the block after its last."""
+    blocks = BlockManager(num_blocks=12, block_size=4, policy="reserve", prefer_contiguous=True)
+    small, big = _request("s", 6, 2), _request("b", 10, 6)  # 2 and 4 blocks
+    blocks.admit(small, 6)
+    blocks.admit(big, 10)
+    assert blocks.block_table(small) == [0, 1] and blocks.block_table(big) == [2, 3, 4, 5]
+    blocks.free(small)
+    third = _request("t", 10, 6)
+    blocks.admit(third, 10)
+    assert blocks.block_table(third) == [6, 7, 8, 9]  # 0-1 is too short a run
+    blocks.free(big)
+    fourth = _request("f", 14, 6)  # 5 blocks: 0-5 is free again
+    blocks.admit(fourth, 14)
+    assert blocks.block_table(fourth) == [0, 1, 2, 3, 4]
+    assert blocks.num_free_blocks == 12 - 9
+
+    paged = BlockManager(num_blocks=8, block_size=4, policy="paged", prefer_contiguous=True)
+    a, b = _request("a", 4, 8), _request("b", 4, 8)
+    paged.admit(a, 4), paged.admit(b, 4)
+    assert paged.ensure(a, 4) and paged.ensure(b, 4)
+    assert paged.ensure(a, 8)  # block 1 is b's: a takes the lowest free one
+    assert paged.block_table(a) == [0, 2]
+    assert paged.ensure(a, 12) and paged.block_table(a) == [0, 2, 3]  # and then the next one

@@ -73,7 +73,7 @@ class LLMEngine:
         cache = args.cache_config
         self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, 4)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
-        self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy)
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
         self.scheduler = make_scheduler(args.scheduler_config, self.blocks)
         # Pipeline parallelism: stage processes hold the weights and KV caches (each its layers'
         # share of the same number of KV blocks); this process keeps scheduling and sampling.

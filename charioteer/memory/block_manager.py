@@ -10,6 +10,10 @@ Two policies:
 """
 from __future__ import annotations
 
+import bisect
+
+import numpy as np
+
 from charioteer.request import Request
 
 KV_POLICIES = ("paged", "reserve")
@@ -20,7 +24,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged") -> None:
+    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged", prefer_contiguous: bool = False) -> None:
+        """`prefer_contiguous`: hand a request consecutive block ids where possible (the lowest free
+        run that fits; a growing request its next block), so its K/V is one run of cache rows that
+        attention reads in place. It costs a scan of the free list per admission, so the simulator,
+        which has no tensors, keeps the plain stack."""
         if policy not in KV_POLICIES:
             raise ValueError(f"unknown kv_policy {policy!r}: choose one of {', '.join(KV_POLICIES)}")
         if num_blocks < 1 or block_size < 1:
@@ -28,8 +36,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = policy
-        # Stack of free block ids; popping from the end keeps recently freed blocks warm.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free block ids: a stack whose pops give 0, 1, 2, ... on a fresh cache (recently freed
+        # blocks come back first, warm); with prefer_contiguous, an ascending list.
+        self.prefer_contiguous = prefer_contiguous
+        self._free: list[int] = list(range(num_blocks)) if prefer_contiguous else list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
 
     @property
@@ -85,12 +95,32 @@ class BlockManager:
 
     def _grow(self, request: Request, n: int) -> None:
         table = self._tables[request.request_id]
-        for _ in range(n):
-            table.append(self._free.pop())
+        if not self.prefer_contiguous:
+            for _ in range(n):
+                table.append(self._free.pop())
+            return
+        free = self._free  # ascending
+        nxt = table[-1] + 1 if table else -1
+        i = bisect.bisect_left(free, nxt)
+        if free[i:i + n] == list(range(nxt, nxt + n)):
+            start = i  # right after the request's last block: its rows stay one run
+        elif n == 1:
+            start = 0
+        else:  # the lowest run of n consecutive free blocks, else the n lowest
+            ids = np.asarray(free)
+            runs = np.flatnonzero(ids[n - 1:] - ids[:len(ids) - n + 1] == n - 1)
+            start = int(runs[0]) if runs.size else 0
+        table.extend(free[start:start + n])
+        del free[start:start + n]
 
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
-        if table:
+        if not table:
+            return
+        if self.prefer_contiguous:
+            for block in table:
+                bisect.insort(self._free, block)
+        else:
             self._free.extend(reversed(table))
 
     def slot(self, request: Request, position: int) -> int:
