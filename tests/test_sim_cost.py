@@ -71,7 +71,8 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
 
     from charioteer.sim.validate import FEATURES, ProfiledCostModel
 
-    truth = {"batch": 2e-3, "entries": 1e-4, "tokens": 3e-5, "prefill_attention": 1e-8, "decode_context": 2e-7}
+    truth = {"batch": 2e-3, "entries": 1e-4, "tokens": 3e-5, "small_batch_tokens": 2e-5, "prefill_attention": 1e-8,
+             "decode_context": 2e-7}
     true_model = ProfiledCostModel(truth)
     rng = np.random.default_rng(0)
     records = []

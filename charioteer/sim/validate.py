@@ -6,6 +6,9 @@ timing the real engine (this CPU), like the paper's simulator (profile, then fit
     t = c_batch                                   fixed per step: scheduling, sampling, Python
       + c_entry   * requests in the batch         per-request work: preparation, LM head row, sampling
       + c_token   * tokens                        linear layers (QKV, O, MLP) per token
+      + c_small   * min(tokens, 64)               extra per token in batches of up to 64 rows, which
+                                                  the engine runs through MKL's packed GEMM, with a
+                                                  different per-row cost from plain GEMM above 64
       + c_prefill * sum over prefill entries of c * (k + (c + 1) / 2)   causal attention work
       + c_decode  * sum over decodes of context   decode attention (K/V reads)
 
@@ -25,7 +28,8 @@ import numpy as np
 
 from charioteer.sim.cost import CostModel, plan_of
 
-FEATURES = ("batch", "entries", "tokens", "prefill_attention", "decode_context")
+FEATURES = ("batch", "entries", "tokens", "small_batch_tokens", "prefill_attention", "decode_context")
+SMALL_BATCH_ROWS = 64  # charioteer.model.llama.PACKED_GEMM_MAX_ROWS (not imported: the simulator stays torch-free)
 
 
 def plan_features(plan) -> list[float]:
@@ -38,7 +42,7 @@ def plan_features(plan) -> list[float]:
             pre += num * (start + (num + 1) / 2)
         else:
             dec += start + num
-    return [1.0, float(len(plan)), float(tokens), pre, float(dec)]
+    return [1.0, float(len(plan)), float(tokens), float(min(tokens, SMALL_BATCH_ROWS)), pre, float(dec)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
