@@ -17,19 +17,15 @@ import numpy as np
 import torch
 
 from charioteer.model.config import ModelConfig
+from charioteer.model.shapes import LLAMA_SHAPES
 from charioteer.model.tokenizer import TextTokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SYNTHETIC_PRESETS: dict[str, dict] = {
-    # name: shape (LLaMA-1 shapes; llama2-* use GQA where the real model does)
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2, max_position=1024),
-    "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32, max_position=2048),
-    "llama-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40, max_position=2048),
-    "llama-33b": dict(vocab_size=32000, hidden_size=6656, intermediate_size=17920, num_layers=60, num_heads=52, num_kv_heads=52, max_position=2048),
-    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32, max_position=4096),
-    "llama2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, max_position=4096),
+    **LLAMA_SHAPES,
 }
 _SHAPE_KEYS = {  # short names accepted in `synthetic:` specs
     "vocab": "vocab_size", "hidden": "hidden_size", "intermediate": "intermediate_size", "layers": "num_layers",

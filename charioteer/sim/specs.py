@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from charioteer.model.shapes import LLAMA_SHAPES
+
 
 def _positive(owner: str, **values: float) -> None:
     for name, value in values.items():
@@ -88,13 +90,7 @@ class ModelShape:
 MODEL_PRESETS: dict[str, ModelShape] = {
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads of 128, MLP 4x.
     "gpt3-175b": ModelShape("gpt3-175b", 96, 12288, 4 * 12288, 96, 96, 50257, mlp_matrices=2, max_position=4096),
-    # LLaMA shapes (Touvron et al. 2023a/b); the same numbers as charioteer.model.loader.SYNTHETIC_PRESETS,
-    # restated here so the simulator does not import torch-backed modules.
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 11008, 32, 32, 32000, max_position=2048),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 13824, 40, 40, 32000, max_position=2048),
-    "llama-33b": ModelShape("llama-33b", 60, 6656, 17920, 52, 52, 32000, max_position=2048),
-    "llama2-7b": ModelShape("llama2-7b", 32, 4096, 11008, 32, 32, 32000, max_position=4096),
-    "llama2-70b": ModelShape("llama2-70b", 80, 8192, 28672, 64, 8, 32000, max_position=4096),
+    **{name: ModelShape(name, **shape) for name, shape in LLAMA_SHAPES.items()},
 }
 
 
