@@ -79,7 +79,10 @@ class ModelRunner:
             else:
                 decode_contexts.append(context)
                 run_start = self._contiguous_start(entry, end) if decode_runs is not None else None
-                decode_runs = None if run_start is None else decode_runs + [(run_start, end)]
+                if run_start is None:
+                    decode_runs = None  # one scattered context: the batched gather serves them all
+                else:
+                    decode_runs.append((run_start, end))
             if self._wants_prompt_logprobs(entry):
                 rows = range(offset, offset + entry.num_tokens)
             else:
