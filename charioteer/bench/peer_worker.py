@@ -37,12 +37,12 @@ def run_charioteer(job: dict) -> list[dict]:
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
         llm = LLM(job["model"]["charioteer"], **w["charioteer_args"])
-        llm.generate(w["prompts"][:2], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
-        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in w["max_tokens"]]
-        start = time.perf_counter()
-        outs = llm.generate(w["prompts"], params)
-        elapsed = time.perf_counter() - start
-        results.append(_result(w, elapsed, [list(o.outputs[0].token_ids) for o in outs]))
+
+        def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+            params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+        results.append(_measure(w, run))
         del llm
     return results
 
@@ -84,15 +84,15 @@ def run_hf_static(job: dict) -> list[dict]:
 
     results = []
     for w in job["workloads"]:
-        run_group(w["prompts"][:2], WARMUP_TOKENS)
-        outputs: list[list[int]] = [[] for _ in w["prompts"]]
-        start = time.perf_counter()
-        for group in _groups(list(range(len(w["prompts"]))), w["batch_size"]):
-            new = run_group([w["prompts"][i] for i in group], max(w["max_tokens"][i] for i in group))
-            for row, i in enumerate(group):
-                outputs[i] = new[row, :w["max_tokens"][i]].tolist()
-        elapsed = time.perf_counter() - start
-        results.append(_result(w, elapsed, outputs))
+        def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+            outputs: list[list[int]] = [[] for _ in prompts]
+            for group in _groups(list(range(len(prompts))), w["batch_size"]):
+                new = run_group([prompts[i] for i in group], max(max_tokens[i] for i in group))
+                for row, i in enumerate(group):
+                    outputs[i] = new[row, :max_tokens[i]].tolist()
+            return outputs
+
+        results.append(_measure(w, run))
     return results
 
 
@@ -127,12 +127,8 @@ def run_hf_cb(job: dict) -> list[dict]:
                         raise RuntimeError("hf-cb generation loop stopped before all requests finished")
             return [done[i] for i in ids]
 
-        run(w["prompts"][:2], [WARMUP_TOKENS] * 2)
-        start = time.perf_counter()
-        outputs = run(w["prompts"], w["max_tokens"])
-        elapsed = time.perf_counter() - start
+        results.append(_measure(w, run))
         model.destroy_cached_continuous_batching_manager()
-        results.append(_result(w, elapsed, outputs))
     return results
 
 
@@ -200,13 +196,9 @@ def run_llama_cpp(job: dict) -> list[dict]:
                         free.append(seq)
             return outputs
 
-        run(w["prompts"][:2], [WARMUP_TOKENS] * 2)
-        start = time.perf_counter()
-        outputs = run(w["prompts"], w["max_tokens"])
-        elapsed = time.perf_counter() - start
+        results.append(_measure(w, run))
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
-        results.append(_result(w, elapsed, outputs))
     llama_cpp.llama_model_free(model)
     return results
 
@@ -230,11 +222,7 @@ def run_vllm(job: dict) -> list[dict]:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
 
-        run(w["prompts"][:2], [WARMUP_TOKENS] * 2)
-        start = time.perf_counter()
-        outputs = run(w["prompts"], w["max_tokens"])
-        elapsed = time.perf_counter() - start
-        results.append(_result(w, elapsed, outputs))
+        results.append(_measure(w, run))
     return results
 
 
@@ -242,6 +230,14 @@ RUNNERS = {
     "charioteer-sarathi": run_charioteer, "charioteer-orca": run_charioteer,
     "hf-static": run_hf_static, "hf-cb": run_hf_cb, "llama.cpp": run_llama_cpp, "vllm-cpu": run_vllm,
 }
+
+
+def _measure(workload: dict, run) -> dict:
+    """Warm `run(prompts, max_tokens) -> outputs` up on two short requests, then time the whole workload."""
+    run(workload["prompts"][:2], [WARMUP_TOKENS] * 2)
+    start = time.perf_counter()
+    outputs = run(workload["prompts"], workload["max_tokens"])
+    return _result(workload, time.perf_counter() - start, outputs)
 
 
 def _result(workload: dict, elapsed: float, outputs: list[list[int]]) -> dict:
