@@ -176,12 +176,13 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
 def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
               vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
               roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None) -> dict:
-    from charioteer.model.loader import load_hf_dir
+    from charioteer.model.loader import load_hf_dir, parse_synthetic_spec
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "charioteer", "peers")
     files = model_files(cache_dir, ["smollm2"] + (["llama-7b-1layer"] if "C" in workloads else []))
     small = load_hf_dir(files["smollm2"]["hf_dir"])
-    big_config = load_hf_dir(files["llama-7b-1layer"]["hf_dir"]).config if "C" in workloads else None
+    # C's shape comes from its spec: loading the 800 MB folder just for its config would be waste.
+    big_config = parse_synthetic_spec(C_MODEL.removeprefix("synthetic:")) if "C" in workloads else None
     built = {}
     if "A" in workloads:
         built["A"] = workload_a(small.tokenizer, sarathi_token_budget)
