@@ -118,3 +118,13 @@ def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, caps
     assert rc == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [r["scheduler"] for r in runs] == ["sarathi", "orca"] and all(r["completion_time_s"] > 0 for r in runs)
+
+
+def test_validate_runs_the_real_engine_repeatedly_and_reports_both_errors():
+    from charioteer.sim.validate import validate
+
+    report = validate(policy="orca", batch_cap=4, chunk_size=32, num_requests=6, repeats=2)
+    assert report["same_batch_sequence"] and report["validation_runs"] == 2
+    assert report["validation_batches"] > 6
+    assert 0.0 <= report["per_batch_mape"] < 1.0 and 0.0 <= report["completion_error"] < 1.0
+    assert report["measured_completion_s"] > 0 and report["simulated_completion_s"] > 0

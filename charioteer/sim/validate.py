@@ -15,8 +15,9 @@ timing the real engine (this CPU), like the paper's simulator (profile, then fit
 The coefficients are fitted by non-negative least squares on *calibration* runs (a different
 workload and seed from the validation run) and can be saved as a JSON table.
 
-`validate()` then runs a validation workload through the real engine (timing every step and
-recording its plan), runs the simulator with the profiled model on the same workload, and reports
+`validate()` then runs a validation workload through the real engine three times, alternating with
+the calibration runs (timing every step and recording its plan; a batch's time is its median over
+the runs), runs the simulator with the profiled model on the same workload, and reports
 the per-batch mean absolute percentage error and the whole run's completion-time error.
 """
 from __future__ import annotations
@@ -152,7 +153,7 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
 
 
 def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
-             seed: int = 1) -> dict:
+             seed: int = 1, repeats: int = 3) -> dict:
     from charioteer.sim.simulator import ReplicaSetup, Simulator
     from charioteer.sim.specs import ClusterConfig
     from charioteer.sim.workload import WorkloadSpec, make_workload
@@ -161,13 +162,23 @@ def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, 
         return make_workload(WorkloadSpec(num_requests=n, lengths="zipf", min_len=lo, max_len=hi, theta=0.4,
                                           pd_ratio=10.0, seed=s))
 
-    calibration = []
-    for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300)):
-        calibration += run_engine(wl(num_requests // 2, s, 32, 640), pol, batch_cap, chunk_size)[0]
-    model = ProfiledCostModel.fit(calibration)
-
     workload = wl(num_requests, seed, 64, 512)
-    records, measured_total = run_engine(workload, policy, batch_cap, chunk_size)
+    # This machine's speed drifts by tens of percent over tens of seconds, so calibration and validation
+    # runs alternate (drift reaches both alike), and the validation workload, whose batch sequence is
+    # deterministic, runs `repeats` times: each batch's time is its median over the runs.
+    calibration = []
+    runs = []
+    for _ in range(repeats):
+        for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300)):
+            calibration += run_engine(wl(num_requests // 2, s, 32, 640), pol, batch_cap, chunk_size)[0]
+        runs.append(run_engine(workload, policy, batch_cap, chunk_size))
+    model = ProfiledCostModel.fit(calibration)
+    plans = [p for p, _ in runs[0][0]]
+    if any([p for p, _ in r] != plans for r, _ in runs[1:]):
+        raise RuntimeError("the engine issued different batch sequences for the same workload")
+    step_times = np.median(np.array([[t for _, t in r] for r, _ in runs]), axis=0)
+    records = list(zip(plans, step_times.tolist()))
+    measured_total = float(np.median([total for _, total in runs]))
     errors = [abs(model.predict(p) - t) / t for p, t in records]
     max_len = int((workload.prompt_len + workload.decode_len).max())
     sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(), model,
@@ -181,6 +192,7 @@ def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, 
         "num_requests": num_requests,
         "calibration_batches": len(calibration),
         "validation_batches": len(records),
+        "validation_runs": repeats,
         "coefs": model.coefs,
         "per_batch_mape": float(np.mean(errors)),
         "measured_completion_s": measured_total,
