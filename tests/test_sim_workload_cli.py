@@ -65,3 +65,18 @@ def test_paper_fig12_preset_small(capsys, tmp_path):
     assert runs["sarathi-tp-pp"]["median_bubble_s"] < runs["orca-tp-pp"]["median_bubble_s"]
     assert "comparison" in out and "acceptance" in out["comparison"]
     assert (tmp_path / "report.md").read_text().startswith("# Charioteer simulation report")
+
+
+def test_paper_fig12_sensitivity_moves_one_factor_at_a_time(capsys):
+    from charioteer.sim.runner import FIG12_SENSITIVITY
+
+    rc = main(["simulate", "--preset", "paper-fig12", "--sensitivity", "--num-requests", "60", "--json",
+               "--no-progress"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["sensitivity"]
+    assert [r["variant"] for r in rows] == [label for label, _, _ in FIG12_SENSITIVITY]
+    base, slow_hbm = rows[0]["completion_time_s"], rows[2]["completion_time_s"]
+    # Halving HBM efficiency slows every deployment; decode-heavy TP-only the most.
+    assert all(slow_hbm[k] > base[k] for k in base)
+    assert slow_hbm["tp-only"] / base["tp-only"] > slow_hbm["sarathi-tp-pp"] / base["sarathi-tp-pp"]
+    assert main(["simulate", "--sensitivity", "--no-progress"]) == 2

@@ -24,6 +24,9 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write summary.json, report.md and PNG plots here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="with --preset paper-fig12: rerun it with each cost-model factor moved in turn and print "
+                        "how the completion times and ratios move (about 4 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
                         "completion time against a fresh real run (uses --scheduler, --batch-cap, --chunk-size)")
@@ -103,6 +106,31 @@ def build_runs(args):
     return specs, wspec
 
 
+def _sensitivity(args, t0: float) -> int:
+    from tqdm import tqdm
+
+    from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_sensitivity
+
+    if args.preset != "paper-fig12":
+        print("error: --sensitivity needs --preset paper-fig12", file=sys.stderr)
+        return 2
+    with tqdm(total=len(FIG12_SENSITIVITY), unit="variant", file=sys.stderr, disable=args.no_progress) as bar:
+        rows = fig12_sensitivity(args.num_requests or 10_000, args.seed, progress=bar)
+    if args.json:
+        json.dump({"preset": args.preset, "sensitivity": rows, "wall_s": time.perf_counter() - t0}, sys.stdout, indent=2)
+        print()
+        return 0
+    print("| variant | orca-tp-pp (s) | tp-only (s) | sarathi-tp-pp (s) | bubble Orca/SARATHI | SARATHI/Orca "
+          "| TP-only/Orca | SARATHI/TP-only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        t, q = r["completion_time_s"], r["ratios"]
+        print(f"| {r['variant']} | {t['orca-tp-pp']:.0f} | {t['tp-only']:.0f} | {t['sarathi-tp-pp']:.0f} "
+              f"| {q['median_bubble_ratio_orca_over_sarathi']:.1f}x | {q['speedup_sarathi_over_orca_tp_pp']:.2f}x "
+              f"| {q['speedup_tp_only_over_orca_tp_pp']:.2f}x | {q['speedup_sarathi_over_tp_only']:.2f}x |")
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from charioteer.sim.report import report_markdown, write_outputs
     from charioteer.sim.runner import fig12_comparison, run_many
@@ -123,6 +151,8 @@ def cmd_simulate(args) -> int:
                   f"{report['simulated_completion_s']:.2f} s, error {report['completion_error'] * 100:.1f}%")
             print(f"same batch sequence as the engine: {report['same_batch_sequence']}")
         return 0
+    if args.sensitivity:
+        return _sensitivity(args, t0)
     specs, wspec = build_runs(args)
     outputs = run_many(specs, wspec, show_progress=not args.no_progress)
     summaries = [o.summary for o in outputs]

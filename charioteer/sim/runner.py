@@ -180,5 +180,33 @@ def fig12_comparison(summaries: list[dict]) -> dict:
     return {"ours": ours, "paper": {k: PAPER_FIG12[k] for k in ours}, "acceptance": checks}
 
 
+# One documented factor moved at a time, to see which of them the Figure 12 ratios depend on.
+FIG12_SENSITIVITY: list[tuple[str, dict, dict]] = [  # (label, HardwareSpec changes, ClusterConfig changes)
+    ("as documented", {}, {}),
+    ("HBM efficiency 0.6 (was 0.85)", {"memory_efficiency": 0.6}, {}),
+    ("HBM efficiency 0.425 (decodes ~2x slower)", {"memory_efficiency": 0.425}, {}),
+    ("GEMM efficiency 0.6 (was 0.75)", {"matmul_efficiency": 0.6}, {}),
+    ("attention efficiency 0.3 (was 0.5)", {"attention_efficiency": 0.3}, {}),
+    ("kernel overhead 10 us (was 4)", {"kernel_overhead_s": 10e-6}, {}),
+    ("NVLink latency 5 us per hop (was 1)", {}, {"intra_node_latency": 5e-6}),
+    ("inter-node 12.5 GB/s (was 25)", {}, {"inter_node_bandwidth": 12.5e9}),
+]
+
+
+def fig12_sensitivity(num_requests: int = 10_000, seed: int = 0, progress=None) -> list[dict]:
+    """The paper-fig12 preset once per FIG12_SENSITIVITY row: completion times and the four ratios."""
+    rows = []
+    for label, hw, cluster in FIG12_SENSITIVITY:
+        specs, wspec = paper_fig12_specs(num_requests, seed)
+        specs = [replace(s, hardware=replace(s.hardware, **hw), cluster=replace(s.cluster, **cluster)) for s in specs]
+        summaries = [o.summary for o in run_many(specs, wspec, show_progress=False)]
+        rows.append({"variant": label,
+                     "completion_time_s": {s["name"]: s["completion_time_s"] for s in summaries},
+                     "ratios": fig12_comparison(summaries)["ours"]})
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
 def with_overrides(spec: RunSpec, **kw) -> RunSpec:
     return replace(spec, **{k: v for k, v in kw.items() if v is not None})
