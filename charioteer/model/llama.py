@@ -62,12 +62,18 @@ class KVCache:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """weight * x / sqrt(mean(x^2) + eps): torch's fused kernel, bitwise equal to the op-by-op formula
+    (tests/test_llama_ops.py)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written as roll(x) * (-1, 1).
+
+    Negating sin instead of x gives the same bits, and rolling needs one op instead of two slices,
+    a negation and a cat.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 # MKL's packed sgemm (the weight reordered once for its kernels) beats plain sgemm here for
@@ -167,7 +173,9 @@ class LlamaModel:
         freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_table = emb.cos().to(self.device)
-        self.sin_table = emb.sin().to(self.device)
+        sin = emb.sin()
+        half = c.head_dim // 2
+        self.signed_sin_table = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
 
     @property
     def weight_bytes(self) -> int:
@@ -196,16 +204,15 @@ class LlamaModel:
         c = self.config
         run = hooks or (lambda _name, fn: fn())
         cos = self.cos_table[inp.positions].unsqueeze(1)
-        sin = self.sin_table[inp.positions].unsqueeze(1)
-        q_end, k_end = c.q_size, c.q_size + c.kv_size
+        sin = self.signed_sin_table[inp.positions].unsqueeze(1)
+        k_end = c.q_size + c.kv_size
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = run("preproj", lambda: linear["qkv"](h))
-            q = qkv[:, :q_end].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_end:k_end].view(-1, c.num_kv_heads, c.head_dim)
+            # Q and K heads sit side by side in the fused projection: rotate them in one pass.
+            qk = apply_rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp))
             x = x + run("postproj", lambda: linear["o"](attn))
             h = rms_norm(x, layer["ffn_norm"], c.rms_norm_eps)
