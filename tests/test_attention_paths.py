@@ -77,9 +77,19 @@ def test_prefer_contiguous_blocks_after_mixed_frees():
     assert blocks.num_free_blocks == 12 - 9
 
     paged = BlockManager(num_blocks=8, block_size=4, policy="paged", prefer_contiguous=True)
-    a, b = _request("a", 4, 8), _request("b", 4, 8)
+    a, b = _request("a", 4, 8), _request("b", 4, 8)  # each may reach 3 blocks
     paged.admit(a, 4), paged.admit(b, 4)
     assert paged.ensure(a, 4) and paged.ensure(b, 4)
-    assert paged.ensure(a, 8)  # block 1 is b's: a takes the lowest free one
-    assert paged.block_table(a) == [0, 2]
-    assert paged.ensure(a, 12) and paged.block_table(a) == [0, 2, 3]  # and then the next one
+    assert paged.block_table(b) == [3]  # blocks 1-2 are a's room to grow
+    assert paged.ensure(a, 8) and paged.ensure(b, 8) and paged.ensure(a, 12)
+    assert paged.block_table(a) == [0, 1, 2] and paged.block_table(b) == [3, 4]
+
+    # A cache too small for every room: requests still get blocks, just not consecutive ones.
+    tight = BlockManager(num_blocks=4, block_size=4, policy="paged", prefer_contiguous=True)
+    a, b = _request("a", 4, 8), _request("b", 4, 8)
+    tight.admit(a, 4), tight.admit(b, 4)
+    assert tight.ensure(a, 4) and tight.ensure(b, 4) and tight.ensure(a, 8) and tight.ensure(b, 8)
+    assert tight.block_table(a) == [0, 1] and tight.block_table(b) == [3, 2]
+    assert not tight.ensure(a, 12) and tight.num_free_blocks == 0
+    tight.free(b)
+    assert tight.ensure(a, 12) and tight.block_table(a) == [0, 1, 2]

@@ -41,6 +41,10 @@ class BlockManager:
         self.prefer_contiguous = prefer_contiguous
         self._free: list[int] = list(range(num_blocks)) if prefer_contiguous else list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        # prefer_contiguous, paged: the block id each request may grow up to (exclusive). Other
+        # requests are placed outside that room while space allows, so a request that fills its
+        # prompt and then decodes block by block stays one run instead of hitting its neighbour.
+        self._room_end: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,19 +106,46 @@ class BlockManager:
         free = self._free  # ascending
         nxt = table[-1] + 1 if table else -1
         i = bisect.bisect_left(free, nxt)
-        if free[i:i + n] == list(range(nxt, nxt + n)):
+        if table and free[i:i + n] == list(range(nxt, nxt + n)):
             start = i  # right after the request's last block: its rows stay one run
-        elif n == 1:
-            start = 0
-        else:  # the lowest run of n consecutive free blocks, else the n lowest
-            ids = np.asarray(free)
-            runs = np.flatnonzero(ids[n - 1:] - ids[:len(ids) - n + 1] == n - 1)
-            start = int(runs[0]) if runs.size else 0
+        else:
+            start = self._place(request, n, len(table))
         table.extend(free[start:start + n])
         del free[start:start + n]
+        if self.policy == "paged":
+            self._room_end[request.request_id] = table[-1] + 1 + max(
+                0, cdiv(request.max_num_tokens, self.block_size) - len(table))
+
+    def _place(self, request: Request, n: int, held: int) -> int:
+        """Index in the free list where `n` new blocks for `request` start.
+
+        In order: the lowest run that also holds the request's remaining room (paged: up to its
+        maximum length) outside other requests' rooms; the lowest run of n outside them; the lowest
+        run of n anywhere; the n lowest blocks.
+        """
+        free = self._free
+        ids = np.asarray(free)
+        outside = np.ones(len(ids), dtype=bool)
+        for rid, end in self._room_end.items():
+            if rid != request.request_id:
+                lo, hi = np.searchsorted(ids, [self._tables[rid][-1] + 1, end])
+                outside[lo:hi] = False
+        want = max(n, cdiv(request.max_num_tokens, self.block_size) - held) if self.policy == "paged" else n
+        for length, respect_rooms in ((want, True), (n, True), (n, False)):
+            if length > len(ids):
+                continue
+            consecutive = ids[length - 1:] - ids[:len(ids) - length + 1] == length - 1
+            if respect_rooms:
+                blocked = np.concatenate(([0], np.cumsum(~outside)))
+                consecutive &= blocked[length:] == blocked[:len(blocked) - length]
+            runs = np.flatnonzero(consecutive)
+            if runs.size:
+                return int(runs[0])
+        return 0
 
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
+        self._room_end.pop(request.request_id, None)
         if not table:
             return
         if self.prefer_contiguous:
