@@ -214,6 +214,12 @@ def cmd_roofline(args) -> int:
         roof = {**roof, "matmul_sweep": matmul_sweep(args.device)}
         text += ("\nfp32 GFLOP/s of a 22016 x 4096 weight (LLaMA-7B gate/up) by batch rows:\n"
                  + format_table(roof["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops"]))
+    if args.decode_stream:
+        from charioteer.bench.roofline import decode_gemm_stream
+
+        roof = {**roof, "decode_gemm_stream": decode_gemm_stream(args.device)}
+        text += ("\nOne 16-row decode step's linear layers of SmolLM2-135M (weights streamed from memory):\n"
+                 + format_table(roof["decode_gemm_stream"], ["backend", "ms", "weight_gbs", "gflops", "weight_mb"]))
     _emit(args, roof, text)
     return 0
 
@@ -332,4 +338,6 @@ def add_paper_benches(bench_sub) -> None:
     _add_common(p)
     p.add_argument("--sweep", action="store_true",
                    help="also time a LLaMA-7B-shaped matmul by batch rows, plain and packed GEMM")
+    p.add_argument("--decode-stream", action="store_true",
+                   help="also time one 16-row decode step's linear layers of SmolLM2-135M per GEMM backend")
     p.set_defaults(func=cmd_roofline)

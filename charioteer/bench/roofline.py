@@ -131,6 +131,43 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
     return out
 
 
+def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layers: int = 30, hidden: int = 576,
+                       intermediate: int = 1536, heads: int = 9, kv_heads: int = 3, repeats: int = 5) -> list[dict]:
+    """One decode step's linear layers, each GEMM with its own weight, so the weights stream from memory.
+
+    Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
+    SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
+    packed GEMM (the engine's path up to 64 rows) and oneDNN's packed linear where torch has it.
+    Reports the whole step's time, the weight bytes read per second and GFLOP/s.
+    """
+    import torch.nn.functional as F
+
+    device = torch.device(device)
+    h, inter, head_dim = hidden, intermediate, hidden // heads
+    shapes = [((heads + 2 * kv_heads) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
+    weights = [torch.randn(n, k, device=device) * 0.02 for _ in range(layers) for n, k in shapes]
+    inputs = {k: torch.randn(rows, k, device=device) for _, k in shapes}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flops = 2 * rows * nbytes / 4
+
+    def timed(name: str, call) -> dict:
+        t = _best_time(lambda: [call(i, w) for i, w in enumerate(weights)], device, repeats)
+        return {"backend": name, "ms": round(t * 1e3, 2), "weight_gbs": round(nbytes / t / 1e9, 1),
+                "gflops": round(flops / t / 1e9, 1)}
+
+    out = [timed("F.linear", lambda i, w: F.linear(inputs[w.shape[1]], w))]
+    if device.type == "cpu" and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
+        out.append(timed("mkl packed", lambda i, w: torch.ops.mkl._mkl_linear(inputs[w.shape[1]], packed[i], w, None, rows)))
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        out.append(timed("onednn packed",
+                         lambda i, w: torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed[i], None, "none", [], "")))
+    for row in out:
+        row.update(rows=rows, weight_mb=round(nbytes / 1e6, 1))
+    return out
+
+
 def describe(r: dict) -> str:
     return (f"roofline: peak fp32 matmul {r['peak_matmul_gflops']:.0f} GFLOP/s, memory bandwidth "
             f"{r['memory_bandwidth_gbs']:.1f} GB/s, ridge {r['ridge_flops_per_byte']:.0f} FLOP/byte "
