@@ -159,7 +159,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     if device.type == "cpu" and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
         out.append(timed("mkl packed", lambda i, w: torch.ops.mkl._mkl_linear(inputs[w.shape[1]], packed[i], w, None, rows)))
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         out.append(timed("onednn packed",
                          lambda i, w: torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed[i], None, "none", [], "")))
