@@ -142,6 +142,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     """
     import torch.nn.functional as F
 
+    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
+
     device = torch.device(device)
     h, inter, head_dim = hidden, intermediate, hidden // heads
     shapes = [((heads + 2 * kv_heads) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
@@ -156,8 +158,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
                 "gflops": round(flops / t / 1e9, 1)}
 
     out = [timed("F.linear", lambda i, w: F.linear(inputs[w.shape[1]], w))]
-    if device.type == "cpu" and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
+    if packed_gemm_available(device):
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS) for w in weights]
         out.append(timed("mkl packed", lambda i, w: torch.ops.mkl._mkl_linear(inputs[w.shape[1]], packed[i], w, None, rows)))
     if (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):

@@ -130,13 +130,13 @@ class BlockManager:
             if rid != request.request_id:
                 lo, hi = np.searchsorted(ids, [self._tables[rid][-1] + 1, end])
                 outside[lo:hi] = False
+        blocked = np.concatenate(([0], np.cumsum(~outside)))  # blocked[j]: room blocks among ids[:j]
         want = max(n, cdiv(request.max_num_tokens, self.block_size) - held) if self.policy == "paged" else n
         for length, respect_rooms in ((want, True), (n, True), (n, False)):
             if length > len(ids):
                 continue
             consecutive = ids[length - 1:] - ids[:len(ids) - length + 1] == length - 1
             if respect_rooms:
-                blocked = np.concatenate(([0], np.cumsum(~outside)))
                 consecutive &= blocked[length:] == blocked[:len(blocked) - length]
             runs = np.flatnonzero(consecutive)
             if runs.size:

@@ -166,11 +166,13 @@ def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, 
     # This machine's speed drifts by tens of percent over tens of seconds, so calibration and validation
     # runs alternate (drift reaches both alike), and the validation workload, whose batch sequence is
     # deterministic, runs `repeats` times: each batch's time is its median over the runs.
+    calibration_workloads = [(pol, wl(num_requests // 2, s, 32, 640))
+                             for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300))]
     calibration = []
     runs = []
     for _ in range(repeats):
-        for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300)):
-            calibration += run_engine(wl(num_requests // 2, s, 32, 640), pol, batch_cap, chunk_size)[0]
+        for pol, cal in calibration_workloads:
+            calibration += run_engine(cal, pol, batch_cap, chunk_size)[0]
         runs.append(run_engine(workload, policy, batch_cap, chunk_size))
     model = ProfiledCostModel.fit(calibration)
     plans = [p for p, _ in runs[0][0]]
