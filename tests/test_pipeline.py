@@ -113,6 +113,16 @@ def _gone(pids, timeout=5.0) -> bool:
     return False
 
 
+def test_peer_lost_errors_are_told_apart():
+    from charioteer.pipeline import transport as tp
+    # The message gloo gave a stage whose neighbour was SIGKILLed (seen in CI).
+    reset = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+                         "Read error [127.0.0.1]:6039: Connection reset by peer.")
+    assert tp.is_peer_lost(reset)
+    assert not tp.is_peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not tp.is_peer_lost(ValueError("gloo Connection reset"))
+
+
 def test_killed_stage_fails_requests_cleanly(synthetic):
     llm = LLM(synthetic, scheduler="sarathi", chunk_size=8, max_num_seqs=4, pipeline_parallel_size=2)
     engine = llm.engine
@@ -122,7 +132,7 @@ def test_killed_stage_fails_requests_cleanly(synthetic):
     engine.step()
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(PipelineError, match="stage 1 .* died"):
+    with pytest.raises(PipelineError, match=r"stage 1 .* died with exit code -9 \(SIGKILL\)"):
         while True:
             engine.step()
     assert time.monotonic() - start < 5

@@ -13,6 +13,7 @@ never by a hang.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import types
@@ -179,19 +180,34 @@ class PipelineExecutor:
 
     # ---- liveness ---------------------------------------------------------------------------
 
+    def _dead(self) -> list[tuple[int, object]]:
+        """The dead stages, the likely cause first: stages that only lost a peer come last."""
+        dead = [(s, p) for s, p in enumerate(self.procs) if not p.is_alive()]
+        return sorted(dead, key=lambda sp: sp[1].exitcode == tp.EXIT_PEER_LOST)
+
+    @staticmethod
+    def _describe(dead) -> str | None:
+        if not dead:
+            return None
+        s, p = dead[0]
+        reason = f"pipeline stage {s} (pid {p.pid}) died with exit code {p.exitcode}"
+        if p.exitcode is not None and -p.exitcode in signal.valid_signals():
+            reason += f" ({signal.Signals(-p.exitcode).name})"
+        followers = [f"stage {t} (exit code {q.exitcode})" for t, q in dead[1:]]
+        return reason + (f"; then {', '.join(followers)}" if followers else "")
+
     def _dead_stage(self) -> str | None:
-        for s, p in enumerate(self.procs):
-            if not p.is_alive():
-                return f"pipeline stage {s} (pid {p.pid}) died with exit code {p.exitcode}"
-        return None
+        return self._describe(self._dead())
 
     def _which_died(self, patience_s: float = 2.0) -> str | None:
-        """After a connection error: name the stage that died (its exit may take a moment to show)."""
+        """After a connection error: name the stage that died (its exit may take a moment to show,
+        and a stage that only lost its peer may show first)."""
         deadline = time.monotonic() + (patience_s if self.procs else 0.0)
         while True:
-            dead = self._dead_stage()
-            if dead or time.monotonic() >= deadline:
-                return dead
+            dead = self._dead()
+            cause_known = dead and dead[0][1].exitcode != tp.EXIT_PEER_LOST
+            if cause_known or time.monotonic() >= deadline:
+                return self._describe(dead)
             time.sleep(0.05)
 
     def _wait(self, future: Future, what: str):

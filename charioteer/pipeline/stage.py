@@ -31,7 +31,7 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
-            os._exit(3)
+            os._exit(tp.EXIT_DRIVER_GONE)
 
 
 def _input_to(inp, device: torch.device):
@@ -150,7 +150,7 @@ def run(rank: int, world_size: int, store_addr: tuple[str, int] | None, init: di
     torch.set_num_threads(int(os.environ.get("CHARIOTEER_STAGE_THREADS", "1")))
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    code = 0
+    code = tp.EXIT_OK
     try:
         if store_addr is None:
             store, rank, world_size = tp.env_store()
@@ -167,9 +167,9 @@ def run(rank: int, world_size: int, store_addr: tuple[str, int] | None, init: di
             raise
         tp.wait_all(tp.send_object(pg, {"ok": True, "pid": os.getpid(), "layers": stage.model.layer_range}, 0))
         stage.serve()
-    except BaseException:  # noqa: BLE001 - report and exit; the driver notices the closed connection
+    except BaseException as exc:  # noqa: BLE001 - report and exit; the driver notices the closed connection
         print(f"charioteer pipeline stage (rank {rank}) failed:\n{traceback.format_exc()}", file=sys.stderr)
-        code = 1
+        code = tp.EXIT_PEER_LOST if tp.is_peer_lost(exc) else tp.EXIT_ERROR
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: gloo's destructors may wait on peers that are gone.

@@ -25,6 +25,16 @@ TAG_HEADER, TAG_PAYLOAD, TAG_HIDDEN, TAG_TIMES, TAG_LOGITS, TAG_OBJECT_HEADER, T
 # Header kinds (driver -> stage).
 KIND_SHUTDOWN, KIND_FORWARD = 0, 1
 
+# Stage exit codes. A stage whose peer dies fails too; its own code says it was not the cause.
+EXIT_OK, EXIT_ERROR, EXIT_PEER_LOST, EXIT_DRIVER_GONE = 0, 1, 2, 3
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether a gloo error means the other end of a connection went away."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "gloo" in text and (
+        "Connection reset" in text or "Connection closed" in text or "Socket closed" in text)
+
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, prefix: str = PREFIX) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, OP_TIMEOUT)
