@@ -217,9 +217,12 @@ def cmd_roofline(args) -> int:
     if args.decode_stream:
         from charioteer.bench.roofline import decode_gemm_stream
 
-        roof = {**roof, "decode_gemm_stream": decode_gemm_stream(args.device)}
-        text += ("\nOne 16-row decode step's linear layers of SmolLM2-135M (weights streamed from memory):\n"
-                 + format_table(roof["decode_gemm_stream"], ["backend", "ms", "weight_gbs", "gflops", "weight_mb"]))
+        if args.rows < 1:
+            raise SystemExit(f"--rows must be at least 1, got {args.rows}")
+        roof = {**roof, "decode_gemm_stream": decode_gemm_stream(args.device, rows=args.rows)}
+        text += (f"\nOne {args.rows}-row decode step's linear layers of SmolLM2-135M (weights streamed from memory):\n"
+                 + format_table(roof["decode_gemm_stream"],
+                                ["backend", "ms", "weight_gbs", "gflops", "weight_mb", "lm_head_ms", "lm_head_gbs"]))
     _emit(args, roof, text)
     return 0
 
@@ -339,5 +342,6 @@ def add_paper_benches(bench_sub) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time a LLaMA-7B-shaped matmul by batch rows, plain and packed GEMM")
     p.add_argument("--decode-stream", action="store_true",
-                   help="also time one 16-row decode step's linear layers of SmolLM2-135M per GEMM backend")
+                   help="also time one decode step's linear layers of SmolLM2-135M per GEMM backend")
+    p.add_argument("--rows", type=int, default=16, help="batch rows of --decode-stream's step (default 16)")
     p.set_defaults(func=cmd_roofline)

@@ -132,16 +132,20 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
 
 
 def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layers: int = 30, hidden: int = 576,
-                       intermediate: int = 1536, heads: int = 9, kv_heads: int = 3, repeats: int = 5) -> list[dict]:
+                       intermediate: int = 1536, heads: int = 9, kv_heads: int = 3, vocab: int = 49152,
+                       repeats: int = 5) -> list[dict]:
     """One decode step's linear layers, each GEMM with its own weight, so the weights stream from memory.
 
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
-    packed GEMM (the engine's path up to 64 rows) and oneDNN's packed linear where torch has it.
-    Reports the whole step's time, the weight bytes read per second and GFLOP/s.
+    packed GEMM (the engine's path for 33-64 rows), the panel kernel (its path up to 32 rows,
+    charioteer.model.panel_gemm) and oneDNN's packed linear where torch has them.
+    Reports the layers' time, the weight bytes read per second and GFLOP/s, and the LM head's
+    time and GB/s on its own ([vocab, hidden], as tied to the embedding).
     """
     import torch.nn.functional as F
 
+    from charioteer.model import panel_gemm
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
 
     device = torch.device(device)
@@ -152,20 +156,28 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flops = 2 * rows * nbytes / 4
 
-    def timed(name: str, call) -> dict:
-        t = _best_time(lambda: [call(i, w) for i, w in enumerate(weights)], device, repeats)
-        return {"backend": name, "ms": round(t * 1e3, 2), "weight_gbs": round(nbytes / t / 1e9, 1),
-                "gflops": round(flops / t / 1e9, 1)}
+    lm_head = torch.randn(vocab, h, device=device) * 0.02
+    lm_input = torch.randn(rows, h, device=device)
 
-    out = [timed("F.linear", lambda i, w: F.linear(inputs[w.shape[1]], w))]
+    def timed(name: str, prepare, call) -> dict:
+        prepared = [prepare(w) for w in weights]
+        t = _best_time(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)], device, repeats)
+        head = prepare(lm_head)
+        t_head = _best_time(lambda: call(lm_input, head, lm_head), device, repeats)
+        return {"backend": name, "ms": round(t * 1e3, 2), "weight_gbs": round(nbytes / t / 1e9, 1),
+                "gflops": round(flops / t / 1e9, 1), "lm_head_ms": round(t_head * 1e3, 2),
+                "lm_head_gbs": round(lm_head.numel() * 4 / t_head / 1e9, 1)}
+
+    out = [timed("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w))]
+    if device.type == "cpu" and panel_gemm.available():
+        out.append(timed("panel (AVX-512)", panel_gemm.pack, lambda x, p, w: panel_gemm.linear(x, p, w.shape[0])))
     if packed_gemm_available(device):
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS) for w in weights]
-        out.append(timed("mkl packed", lambda i, w: torch.ops.mkl._mkl_linear(inputs[w.shape[1]], packed[i], w, None, rows)))
+        out.append(timed("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
+                         lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows)))
     if (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        out.append(timed("onednn packed",
-                         lambda i, w: torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed[i], None, "none", [], "")))
+        out.append(timed("onednn packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
+                         lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")))
     for row in out:
         row.update(rows=rows, weight_mb=round(nbytes / 1e6, 1))
     return out

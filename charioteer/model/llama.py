@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from charioteer.model import panel_gemm
 from charioteer.model.config import ModelConfig
 from charioteer.runtime import tune_allocator
 
@@ -91,16 +92,22 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 
 
 class Linear:
-    """y = x @ weight.T, through MKL's packed GEMM for small batches when it is available."""
+    """y = x @ weight.T: the panel kernel up to 32 rows, MKL's packed GEMM up to 64, else F.linear.
 
-    __slots__ = ("weight", "packed")
+    Each path is used only where it is available (see panel_gemm and packed_gemm_available).
+    """
 
-    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+    __slots__ = ("weight", "packed", "panels")
+
+    def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
+        self.panels = panel_gemm.pack(weight) if panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.panels is not None and 0 < rows <= panel_gemm.MAX_ROWS:
+            return panel_gemm.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
         return F.linear(x, self.weight)
@@ -166,9 +173,10 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"),
             ))
         pack = packed_gemm_available(self.device)
-        self.linears = [{name: Linear(layer[name], pack) for name in ("qkv", "o", "gate_up", "down")}
+        panels = self.device.type == "cpu" and panel_gemm.available()
+        self.linears = [{name: Linear(layer[name], pack, panels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
-        self.lm_head_linear = Linear(self.lm_head, pack) if self.lm_head is not None else None
+        self.lm_head_linear = Linear(self.lm_head, pack, panels) if self.lm_head is not None else None
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
