@@ -4,13 +4,14 @@ import pytest
 from charioteer import LLM, SamplingParams
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.memory.block_manager import BlockManager
-from charioteer.model import llama
+from charioteer.model import avx512, llama
 from charioteer.request import Request
 
 
-def _run(model, prompts, monkeypatch, min_bytes: int, **engine):
+def _run(model, prompts, monkeypatch, min_bytes: int, fused: bool = False, **engine):
     monkeypatch.setattr(llama, "DECODE_IN_PLACE_MIN_BYTES", min_bytes)
     llm = LLM(model, max_num_seqs=4, **engine)
+    llm.engine.runner.model.fused_decode_attention = fused
     calls = []
     decide = llama.LlamaModel._decode_in_place
     monkeypatch.setattr(llama.LlamaModel, "_decode_in_place",
@@ -19,23 +20,40 @@ def _run(model, prompts, monkeypatch, min_bytes: int, **engine):
     return outs, calls
 
 
-@pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
-def test_in_place_decode_matches_gathered(default_model, monkeypatch, kv_policy):
+def _prompts():
     from texts import PASSAGE
 
     words = PASSAGE.split()
-    prompts = [" ".join(words[: 30 + 25 * i]) for i in range(5)]
-    engine = dict(chunk_size=24, kv_policy=kv_policy)
-    in_place, used = _run(default_model, prompts, monkeypatch, 0, **engine)
-    gathered, not_used = _run(default_model, prompts, monkeypatch, 1 << 60, **engine)
-    if kv_policy == "reserve":
-        assert any(used), "reserved KV is one contiguous run per request: the in-place path must run"
-    assert not any(not_used)
-    for a, b in zip(in_place, gathered):
+    return [" ".join(words[: 30 + 25 * i]) for i in range(5)]
+
+
+def _assert_same(outs_a, outs_b):
+    for a, b in zip(outs_a, outs_b):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
             assert all(la[t] == pytest.approx(lb[t], abs=1e-4) for t in la)
+
+
+@pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
+def test_in_place_decode_matches_gathered(default_model, monkeypatch, kv_policy):
+    engine = dict(chunk_size=24, kv_policy=kv_policy)
+    in_place, used = _run(default_model, _prompts(), monkeypatch, 0, **engine)
+    gathered, not_used = _run(default_model, _prompts(), monkeypatch, 1 << 60, **engine)
+    if kv_policy == "reserve":
+        assert any(used), "reserved KV is one contiguous run per request: the in-place path must run"
+    assert not any(not_used)
+    _assert_same(in_place, gathered)
+
+
+@pytest.mark.skipif(not avx512.available(), reason=f"AVX-512 kernels: {avx512.unavailable_reason()}")
+@pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
+def test_fused_decode_attention_matches_gathered(default_model, monkeypatch, kv_policy):
+    engine = dict(chunk_size=24, kv_policy=kv_policy)
+    fused, decided = _run(default_model, _prompts(), monkeypatch, 1 << 60, fused=True, **engine)
+    assert not decided, "the fused kernel serves every decode; the SDPA paths must not run"
+    gathered, _ = _run(default_model, _prompts(), monkeypatch, 1 << 60, **engine)
+    _assert_same(fused, gathered)
 
 
 def test_contiguous_start_only_for_consecutive_blocks():

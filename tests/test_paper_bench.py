@@ -136,12 +136,12 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
 def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     from charioteer.bench.roofline import decode_gemm_stream
 
-    from charioteer.model import panel_gemm
+    from charioteer.model import avx512
 
     rows = decode_gemm_stream("cpu", rows=4, layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=300,
                               repeats=1)
     assert rows[0]["backend"] == "F.linear" and len({r["backend"] for r in rows}) == len(rows)
-    assert any(r["backend"].startswith("panel") for r in rows) == panel_gemm.available()
+    assert any(r["backend"].startswith("panel") for r in rows) == avx512.available()
     assert all(r["lm_head_ms"] > 0 for r in rows)
     # 2 layers of QKV (128 x 64), O (64 x 64), gate/up (192 x 64) and down (64 x 96), fp32.
     expected_mb = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96) * 4 / 1e6

@@ -139,13 +139,13 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
     packed GEMM (the engine's path for 33-64 rows), the panel kernel (its path up to 32 rows,
-    charioteer.model.panel_gemm) and oneDNN's packed linear where torch has them.
+    charioteer.model.avx512) and oneDNN's packed linear where torch has them.
     Reports the layers' time, the weight bytes read per second and GFLOP/s, and the LM head's
     time and GB/s on its own ([vocab, hidden], as tied to the embedding).
     """
     import torch.nn.functional as F
 
-    from charioteer.model import panel_gemm
+    from charioteer.model import avx512
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
 
     device = torch.device(device)
@@ -169,8 +169,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
                 "lm_head_gbs": round(lm_head.numel() * 4 / t_head / 1e9, 1)}
 
     out = [timed("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w))]
-    if device.type == "cpu" and panel_gemm.available():
-        out.append(timed("panel (AVX-512)", panel_gemm.pack, lambda x, p, w: panel_gemm.linear(x, p, w.shape[0])))
+    if device.type == "cpu" and avx512.available():
+        out.append(timed("panel (AVX-512)", avx512.pack, lambda x, p, w: avx512.linear(x, p, w.shape[0])))
     if packed_gemm_available(device):
         out.append(timed("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
                          lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows)))

@@ -90,7 +90,7 @@ class ModelRunner:
             rows_per_entry.append(list(range(len(flat_rows), len(flat_rows) + len(rows))))
             flat_rows.extend(rows)
             offset += entry.num_tokens
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = lens = None
         if decode_contexts:
             lens = torch.tensor([len(c) for c in decode_contexts])
             width = int(lens.max())
@@ -109,6 +109,7 @@ class ModelRunner:
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
             decode_runs=decode_runs or None,
+            decode_lengths=lens,
         )
         return inp, order, rows_per_entry
 

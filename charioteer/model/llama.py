@@ -2,7 +2,8 @@
 
 The linear layers (fused QKV, O, fused gate/up, down) run once over every token of the batch.
 Attention runs per request against its own KV cache: each prefill chunk attends causally to its
-cached prefix and to itself (the paper's Figure 6); all decodes run as one padded, masked call.
+cached prefix and to itself (the paper's Figure 6); all decodes run as one call, on AVX-512 CPUs
+a kernel reading each context in place (charioteer.model.avx512), else one padded, masked SDPA.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from charioteer.model import panel_gemm
+from charioteer.model import avx512
 from charioteer.model.config import ModelConfig
 from charioteer.runtime import tune_allocator
 
@@ -41,6 +42,7 @@ class ForwardInput:
     logits_rows: torch.Tensor  # rows whose logits are wanted
     # (first slot, context length) of each decode, when every decode's slots are one contiguous run
     decode_runs: list[tuple[int, int]] | None = None
+    decode_lengths: torch.Tensor | None = None  # [D] context length of each decode (int64, CPU)
 
 
 class KVCache:
@@ -94,7 +96,7 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 class Linear:
     """y = x @ weight.T: the panel kernel up to 32 rows, MKL's packed GEMM up to 64, else F.linear.
 
-    Each path is used only where it is available (see panel_gemm and packed_gemm_available).
+    Each path is used only where it is available (see avx512 and packed_gemm_available).
     """
 
     __slots__ = ("weight", "packed", "panels")
@@ -102,12 +104,12 @@ class Linear:
     def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
-        self.panels = panel_gemm.pack(weight) if panels else None
+        self.panels = avx512.pack(weight) if panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.panels is not None and 0 < rows <= panel_gemm.MAX_ROWS:
-            return panel_gemm.linear(x, self.panels, self.weight.shape[0])
+        if self.panels is not None and 0 < rows <= avx512.MAX_ROWS:
+            return avx512.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
         return F.linear(x, self.weight)
@@ -173,7 +175,8 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"),
             ))
         pack = packed_gemm_available(self.device)
-        panels = self.device.type == "cpu" and panel_gemm.available()
+        panels = self.device.type == "cpu" and avx512.available()
+        self.fused_decode_attention = panels and c.head_dim in avx512.HEAD_DIMS
         self.linears = [{name: Linear(layer[name], pack, panels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         self.lm_head_linear = Linear(self.lm_head, pack, panels) if self.lm_head is not None else None
@@ -295,7 +298,10 @@ class LlamaModel:
             first = q.shape[0] - inp.num_decodes
             qd = q[first:].unsqueeze(2)  # [D, heads, 1, dim]
             gqa = c.num_kv_heads != c.num_heads
-            if self._decode_in_place(inp, k_cache):
+            if self.fused_decode_attention and inp.decode_lengths is not None:
+                out[first:] = avx512.decode_attention(q[first:], k_cache, v_cache, inp.decode_slots,
+                                                      inp.decode_lengths, c.head_dim ** -0.5)
+            elif self._decode_in_place(inp, k_cache):
                 for i, (start, length) in enumerate(inp.decode_runs):
                     kd = k_cache[start:start + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
                     vd = v_cache[start:start + length].transpose(0, 1).unsqueeze(0)

@@ -98,7 +98,3 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   });
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_linear", &panel_linear, "y = x @ w.T with w packed by pack_panels");
-}

@@ -1,0 +1,108 @@
+"""The AVX-512 panel GEMM (charioteer/model/kernels/avx512.cpp) against float64, and its batch invariance."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from charioteer.model import avx512
+from charioteer.model.llama import Linear
+
+pytestmark = pytest.mark.skipif(not avx512.available(), reason=f"panel GEMM: {avx512.unavailable_reason()}")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_matches_float64(rows, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    y = avx512.linear(x, avx512.pack(w), n)
+    assert y.shape == (rows, n)
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Sums run over k in order per output, so a row's bits are the same alone, shuffled or in any batch."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 1536, generator=g)  # K spans several 128-wide slices
+    x = torch.randn(32, 1536, generator=g)
+    panels = avx512.pack(w)
+    full = avx512.linear(x, panels, 200)
+    perm = torch.randperm(32, generator=g)
+    assert torch.equal(avx512.linear(x[perm], panels, 200), full[perm])
+    for i in (0, 7, 8, 31):
+        assert torch.equal(avx512.linear(x[i:i + 1], panels, 200)[0], full[i])
+    assert torch.equal(avx512.linear(x[3:20], panels, 200), full[3:20])
+
+
+def test_non_contiguous_input_and_empty_batch():
+    w, x = torch.randn(40, 64), torch.randn(64, 6)
+    panels = avx512.pack(w)
+    torch.testing.assert_close(avx512.linear(x.T, panels, 40), _reference(x.T, w))
+    assert avx512.linear(torch.empty(0, 64), panels, 40).shape == (0, 40)
+
+
+def test_bad_shapes_are_refused():
+    panels = avx512.pack(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
+        avx512.linear(torch.randn(2, 63), panels, 40)
+    with pytest.raises(RuntimeError, match="n out of range"):
+        avx512.linear(torch.randn(2, 64), panels, 65)
+
+
+def test_linear_routes_by_rows():
+    """Up to avx512.MAX_ROWS rows run on the panel kernel; more go to MKL's kernels."""
+    w = torch.randn(96, 128)
+    lin = Linear(w, pack=False, panels=True)
+    small = torch.randn(avx512.MAX_ROWS, 128)
+    assert torch.equal(lin(small), avx512.linear(small, lin.panels, 96))
+    large = torch.randn(avx512.MAX_ROWS + 1, 128)
+    assert torch.equal(lin(large), torch.nn.functional.linear(large, w))
+
+
+def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
+    """Per decode, float64 SDPA over its own context rows."""
+    group = q.shape[1] // k_cache.shape[1]
+    out = []
+    for d in range(q.shape[0]):
+        rows = slots[d, : lengths[d]]
+        k = k_cache[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
+        v = v_cache[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[d].double()[:, None], k, v)[:, 0])
+    return torch.stack(out).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]),
+       dim=st.sampled_from(avx512.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1))
+def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_slots = decodes * width + 1
+    k_cache, v_cache = torch.randn(num_slots, kv_heads, dim, generator=g), torch.randn(num_slots, kv_heads, dim, generator=g)
+    q = torch.randn(decodes, kv_heads * group, dim, generator=g) * 3  # peaked softmaxes too
+    lengths = torch.randint(1, width + 1, (decodes,), generator=g)
+    lengths[0] = width
+    slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
+    out = avx512.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
+    torch.testing.assert_close(out, _sdpa_reference(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_ignores_padding_and_refuses_bad_slots():
+    k_cache, v_cache = torch.randn(10, 1, 64), torch.randn(10, 1, 64)
+    q = torch.randn(2, 2, 64)
+    slots = torch.tensor([[3, 4, 5], [7, 9, 9]])  # row 1 is padded past its length
+    lengths = torch.tensor([3, 1])
+    out = avx512.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125)
+    torch.testing.assert_close(out[1], v_cache[7].expand(2, 64))  # one key: the softmax is 1
+    k_cache[9] = float("nan")  # what padding points at must never be read
+    assert torch.equal(avx512.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125), out)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        avx512.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 4, 10], [7, 9, 9]]), lengths, 0.125)
+    with pytest.raises(RuntimeError, match="length out of range"):
+        avx512.decode_attention(q, k_cache, v_cache, slots, torch.tensor([4, 1]), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        avx512.decode_attention(torch.randn(2, 2, 32), torch.randn(10, 1, 32), torch.randn(10, 1, 32), slots, lengths, 1.0)
