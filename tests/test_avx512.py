@@ -106,3 +106,48 @@ def test_decode_attention_ignores_padding_and_refuses_bad_slots():
         avx512.decode_attention(q, k_cache, v_cache, slots, torch.tensor([4, 1]), 0.125)
     with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
         avx512.decode_attention(torch.randn(2, 2, 32), torch.randn(10, 1, 32), torch.randn(10, 1, 32), slots, lengths, 1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 700), seed=st.integers(0, 2**31 - 1))
+def test_add_rms_norm_matches_the_formula(rows, cols, seed):
+    from charioteer.model.llama import rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x, delta, w = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
+    expected_x = x + delta
+    h = avx512.add_rms_norm_(x, delta, w, 1e-5)
+    assert torch.equal(x, expected_x)  # the residual add is exact and in place
+    torch.testing.assert_close(h, rms_norm(expected_x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_bitwise_the_formula():
+    from charioteer.model.llama import apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    for dim in (64, 128):
+        qkv = torch.randn(13, 7 * dim, generator=g)
+        qk = qkv[:, : 5 * dim].view(13, 5, dim)  # strided rows, as sliced from the fused projection
+        cos, sin = torch.randn(13, dim, generator=g), torch.randn(13, dim, generator=g)
+        assert torch.equal(avx512.rope(qk, cos, sin), apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)))
+
+
+def test_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * 1000, generator=g) * 8  # reaches far into both tails of the sigmoid
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(avx512.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_argmax_rows_is_torch_argmax():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 1000 + 7, generator=g)
+    logits[1, 5] = logits[1, 900] = 50.0  # a tie: the first index wins
+    logits[2, 1006] = 60.0  # in the tail past the last full vector
+    logits[3, 10] = float("nan")  # NaN counts as the maximum
+    logits[3, 20] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 77] = float("inf")
+    assert torch.equal(avx512.argmax_rows(logits), logits.argmax(dim=-1))
+    assert avx512.argmax_rows(torch.randn(0, 10)).shape == (0,)

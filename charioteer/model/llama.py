@@ -177,6 +177,7 @@ class LlamaModel:
         pack = packed_gemm_available(self.device)
         panels = self.device.type == "cpu" and avx512.available()
         self.fused_decode_attention = panels and c.head_dim in avx512.HEAD_DIMS
+        self.fused_row_ops = panels and c.head_dim % 32 == 0
         self.linears = [{name: Linear(layer[name], pack, panels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         self.lm_head_linear = Linear(self.lm_head, pack, panels) if self.lm_head is not None else None
@@ -214,21 +215,37 @@ class LlamaModel:
         """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers."""
         c = self.config
         run = hooks or (lambda _name, fn: fn())
-        cos = self.cos_table[inp.positions].unsqueeze(1)
-        sin = self.signed_sin_table[inp.positions].unsqueeze(1)
+        cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
         k_end = c.q_size + c.kv_size
+        if self.fused_row_ops:
+            x = x.clone()  # _add_norm updates it in place; the caller's tensor stays as it was
+        h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_norm_eps)
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
-            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = run("preproj", lambda: linear["qkv"](h))
             # Q and K heads sit side by side in the fused projection: rotate them in one pass.
-            qk = apply_rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = self._rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
             attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp))
-            x = x + run("postproj", lambda: linear["o"](attn))
-            h = rms_norm(x, layer["ffn_norm"], c.rms_norm_eps)
-            x = x + run("ffn", lambda: self._mlp(h, linear))
+            x, h = self._add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"])
+            ffn = run("ffn", lambda: self._mlp(h, linear))
+            if index + 1 < len(self.layers):  # the next layer's input norm, fused with the residual add
+                x, h = self._add_norm(x, ffn, self.layers[index + 1]["attn_norm"])
+            else:
+                x = x + ffn
         return x
+
+    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fused_row_ops:
+            return avx512.rope(qk, cos, sin)
+        return apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(x + delta, its RMSNorm); the fused kernel updates x in place."""
+        if self.fused_row_ops:
+            return x, avx512.add_rms_norm_(x, delta, weight, self.config.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
@@ -238,7 +255,10 @@ class LlamaModel:
         return run("lm_head", lambda: self.lm_head_linear(h))
 
     def _mlp(self, h: torch.Tensor, linear: dict[str, Linear]) -> torch.Tensor:
-        gate, up = linear["gate_up"](h).chunk(2, dim=-1)
+        gate_up = linear["gate_up"](h)
+        if self.fused_row_ops:
+            return linear["down"](avx512.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear["down"](F.silu(gate) * up)
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from charioteer.model import avx512
 from charioteer.sampling_params import SamplingParams
 
 
@@ -14,6 +15,13 @@ def top_logprobs(logprobs: torch.Tensor, k: int, chosen: int) -> dict[int, float
         for value, token in zip(values.tolist(), ids.tolist()):
             result.setdefault(token, value)
     return result
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (its first maximum); the AVX-512 kernel on CPU splits the rows over threads."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and avx512.available():
+        return avx512.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -33,7 +41,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits: [N, vocab] float32. Returns one token per row."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy(logits).tolist()
         for row, (request_id, p) in enumerate(zip(request_ids, params)):
             if p.greedy:
                 continue
