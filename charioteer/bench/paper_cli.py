@@ -213,7 +213,7 @@ def cmd_roofline(args) -> int:
     if args.sweep:
         roof = {**roof, "matmul_sweep": matmul_sweep(args.device)}
         text += ("\nfp32 GFLOP/s of a 22016 x 4096 weight (LLaMA-7B gate/up) by batch rows:\n"
-                 + format_table(roof["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops"]))
+                 + format_table(roof["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops", "panel_gflops"]))
     if args.decode_stream:
         from charioteer.bench.roofline import decode_gemm_stream
 

@@ -109,9 +109,11 @@ def roofline(device: str | torch.device = "cpu", refresh: bool = False) -> dict:
 
 def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
                  shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
-    """GFLOP/s of y = x @ W.T by batch rows, for plain F.linear and, on CPU, the engine's packed GEMM."""
+    """GFLOP/s of y = x @ W.T by batch rows, for plain F.linear and, on CPU, MKL's packed GEMM and
+    the AVX-512 panel GEMM (the latter up to the rows the engine gives it)."""
     import torch.nn.functional as F
 
+    from charioteer.model import avx512
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
 
     device = torch.device(device)
@@ -119,6 +121,7 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
     w = torch.randn(n, k, device=device)
     packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS)
               if packed_gemm_available(device) else None)
+    panels = avx512.pack(w) if device.type == "cpu" and avx512.available() else None
     out = []
     for m in rows:
         x = torch.randn(m, k, device=device)
@@ -127,6 +130,9 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
         if packed is not None:
             t = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m), device, repeats)
             row["packed_gflops"] = round(flops / t / 1e9, 1)
+        if panels is not None and m <= avx512.MAX_ROWS:
+            t = _best_time(lambda: avx512.linear(x, panels, n), device, repeats)
+            row["panel_gflops"] = round(flops / t / 1e9, 1)
         out.append(row)
     return out
 
