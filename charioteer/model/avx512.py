@@ -33,8 +33,9 @@ PANEL = 32  # output columns per packed panel; kernels/panel_gemm.cpp's kPanel
 MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-stream --rows N)
 HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 
-_SOURCES = [Path(__file__).parent / "kernels" / name
-            for name in ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp")]
+_KERNELS = Path(__file__).parent / "kernels"
+_SOURCES = [_KERNELS / name for name in ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp")]
+_HEADERS = [_KERNELS / "vec_math.h"]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
 # want FMAs ask for them by intrinsic).
 _FLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -45,7 +46,7 @@ _unavailable: str | None = None
 
 def _build_directory() -> Path:
     """A cache folder per source, flags and torch version, so a changed kernel is never stale."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
                          + torch.__version__.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "charioteer" / "kernels"
     folder = cache / f"avx512-{key.hexdigest()[:16]}"

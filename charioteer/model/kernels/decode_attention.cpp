@@ -8,28 +8,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
-
-// e^x for x <= 0 (scores minus their maximum): Cephes' expf range reduction and polynomial.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 template <int Dim>
 void attend(const float* q, int64_t heads, const float* k, const float* v, int64_t row_stride,
@@ -51,7 +36,7 @@ void attend(const float* q, int64_t heads, const float* k, const float* v, int64
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
       const __mmask16 m = length - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - t)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
       _mm512_mask_storeu_ps(scores + t, m, e);
       total = _mm512_mask_add_ps(total, m, total, e);
     }
