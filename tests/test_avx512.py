@@ -151,3 +151,11 @@ def test_argmax_rows_is_torch_argmax():
     logits[5, 77] = float("inf")
     assert torch.equal(avx512.argmax_rows(logits), logits.argmax(dim=-1))
     assert avx512.argmax_rows(torch.randn(0, 10)).shape == (0,)
+
+
+def test_greedy_takes_any_layout():
+    from charioteer.model.sampler import greedy
+
+    logits = torch.randn(50, 7)
+    assert torch.equal(greedy(logits.T), logits.T.argmax(dim=-1))  # strided rows: torch's argmax
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))

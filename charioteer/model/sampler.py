@@ -19,7 +19,8 @@ def top_logprobs(logprobs: torch.Tensor, k: int, chosen: int) -> dict[int, float
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (its first maximum); the AVX-512 kernel on CPU splits the rows over threads."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and avx512.available():
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(-1) == 1 and avx512.available()):
         return avx512.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
