@@ -159,3 +159,33 @@ def test_greedy_takes_any_layout():
     logits = torch.randn(50, 7)
     assert torch.equal(greedy(logits.T), logits.T.argmax(dim=-1))  # strided rows: torch's argmax
     assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+
+
+_GENERATE = """
+import json
+from charioteer import LLM, SamplingParams
+from charioteer.model import avx512
+llm = LLM("synthetic:tiny,layers=2,heads=2,kv_heads=1", max_num_seqs=4, chunk_size=16)  # head_dim 64, GQA
+outs = llm.generate([list(range(1, n)) for n in (9, 40, 70)], SamplingParams(max_tokens=12, temperature=0, logprobs=1))
+print(json.dumps({"kernels": avx512.available(), "tokens": [o.outputs[0].token_ids for o in outs],
+                  "logprobs": [[max(lp.values()) for lp in o.outputs[0].logprobs] for o in outs]}))
+"""
+
+
+def test_without_the_kernels_the_model_falls_back_to_the_same_outputs():
+    """CHARIOTEER_AVX512=0 (as on a CPU without AVX-512 or a compiler): MKL and SDPA run, same greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(env_value: str) -> dict:
+        env = dict(os.environ, CHARIOTEER_AVX512=env_value)
+        out = subprocess.run([sys.executable, "-c", _GENERATE], capture_output=True, text=True, env=env, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    fused, fallback = run("1"), run("0")
+    assert fused["kernels"] and not fallback["kernels"]
+    assert fused["tokens"] == fallback["tokens"]
+    for a, b in zip(fused["logprobs"], fallback["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
