@@ -175,12 +175,12 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"),
             ))
         pack = packed_gemm_available(self.device)
-        panels = self.device.type == "cpu" and avx512.available()
-        self.fused_decode_attention = panels and c.head_dim in avx512.HEAD_DIMS
-        self.fused_row_ops = panels and c.head_dim % 32 == 0
-        self.linears = [{name: Linear(layer[name], pack, panels) for name in ("qkv", "o", "gate_up", "down")}
+        kernels = self.device.type == "cpu" and avx512.available()
+        self.fused_decode_attention = kernels and c.head_dim in avx512.HEAD_DIMS
+        self.fused_row_ops = kernels and c.head_dim % 32 == 0
+        self.linears = [{name: Linear(layer[name], pack, kernels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
-        self.lm_head_linear = Linear(self.lm_head, pack, panels) if self.lm_head is not None else None
+        self.lm_head_linear = Linear(self.lm_head, pack, kernels) if self.lm_head is not None else None
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -35,7 +35,7 @@ void attend(const float* q, int64_t heads, const float* k, const float* v, int64
     const __m512 top = _mm512_set1_ps(best);
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
-      const __mmask16 m = length - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - t)) - 1);
+      const __mmask16 m = lanes(length - t);
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
       _mm512_mask_storeu_ps(scores + t, m, e);
       total = _mm512_mask_add_ps(total, m, total, e);

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -56,10 +58,6 @@ using Microkernel = void (*)(const float*, const float*, int64_t, int64_t, float
 constexpr Microkernel kMicrokernels[kRowBlock + 1] = {
     nullptr, microkernel<1>, microkernel<2>, microkernel<3>, microkernel<4>,
     microkernel<5>, microkernel<6>, microkernel<7>, microkernel<8>};
-
-__mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 }  // namespace
 

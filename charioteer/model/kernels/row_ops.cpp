@@ -13,8 +13,6 @@ namespace {
 
 constexpr int64_t kGrainRows = 8;
 
-__mmask16 tail(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
-
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.stride(1) == 1, name,
               " must be a 2-D fp32 tensor with contiguous rows");
@@ -41,7 +39,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
       const float* dr = dp + r * ds;
       __m512 squares = _mm512_setzero_ps();
       for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail(cols - c);
+        const __mmask16 m = lanes(cols - c);
         const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + c), _mm512_maskz_loadu_ps(m, dr + c));
         _mm512_mask_storeu_ps(xr + c, m, v);
         squares = _mm512_fmadd_ps(v, v, squares);
@@ -49,7 +47,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
       const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + static_cast<float>(eps));
       const __m512 scale = _mm512_set1_ps(inv);
       for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail(cols - c);
+        const __mmask16 m = lanes(cols - c);
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + c), scale);
         _mm512_mask_storeu_ps(op + r * cols + c, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, wp + c)));
       }
@@ -106,7 +104,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     for (int64_t r = first; r < last; ++r) {
       const float* g = gp + r * gs;
       for (int64_t c = 0; c < inner; c += 16) {
-        const __mmask16 m = tail(inner - c);
+        const __mmask16 m = lanes(inner - c);
         const __m512 a = _mm512_maskz_loadu_ps(m, g + c);
         const __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a))));
         _mm512_mask_storeu_ps(op + r * inner + c, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, g + inner + c)));
@@ -131,7 +129,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
       __m512 best = _mm512_set1_ps(-INFINITY);
       __mmask16 nan = 0;
       for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail(cols - c);
+        const __mmask16 m = lanes(cols - c);
         const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + c);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         best = _mm512_max_ps(best, v);
@@ -142,7 +140,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
       } else {
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
         for (int64_t c = 0; c < cols; c += 16) {
-          const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail(cols - c), _mm512_loadu_ps(row + c), top, _CMP_EQ_OQ);
+          const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes(cols - c), _mm512_loadu_ps(row + c), top, _CMP_EQ_OQ);
           if (hit) {
             index = c + __builtin_ctz(hit);
             break;

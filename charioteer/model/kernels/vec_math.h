@@ -2,6 +2,13 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
+// The first n of 16 lanes (none for n <= 0, all for n >= 16): the mask of a row's last vector.
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
 // e^x for 16 floats: Cephes' expf range reduction and polynomial (about 1 ulp); x is clamped to
 // [-87.3, 88.7], so very negative scores give a tiny positive number rather than 0.
 inline __m512 exp_ps(__m512 x) {
