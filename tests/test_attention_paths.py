@@ -56,6 +56,31 @@ def test_fused_decode_attention_matches_gathered(default_model, monkeypatch, kv_
     _assert_same(fused, gathered)
 
 
+class _CountingRunner:
+    def __init__(self, runner):
+        self.runner, self.calls = runner, 0
+
+    def run(self, *args):
+        self.calls += 1
+        return self.runner.run(*args)
+
+
+@pytest.mark.skipif(not avx512.available(), reason=f"AVX-512 kernels: {avx512.unavailable_reason()}")
+@pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
+def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy):
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
+    llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy)
+    model = llm.engine.runner.model
+    model.decode_layers = counting = _CountingRunner(model.decode_layers)
+    one_call = llm.generate(_prompts(), params)
+    assert counting.calls > 0, "decode-only steps must take the one-call path"
+    model.decode_layers = None
+    op_by_op = llm.generate(_prompts(), params)
+    for a, b in zip(one_call, op_by_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same kernels in the same order: same bits
+
+
 def test_contiguous_start_only_for_consecutive_blocks():
     blocks = BlockManager(num_blocks=8, block_size=4)
     runner = ModelRunner(None, blocks)

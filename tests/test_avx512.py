@@ -77,18 +77,22 @@ def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
 
 
 @settings(max_examples=40, deadline=None)
-@given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]),
+@given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 6, 8]),
        dim=st.sampled_from(avx512.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1))
 def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed):
     g = torch.Generator().manual_seed(seed)
     num_slots = decodes * width + 1
     k_cache, v_cache = torch.randn(num_slots, kv_heads, dim, generator=g), torch.randn(num_slots, kv_heads, dim, generator=g)
-    q = torch.randn(decodes, kv_heads * group, dim, generator=g) * 3  # peaked softmaxes too
+    # q as the model passes it: a strided view of the fused QKV rows (peaked softmaxes too)
+    q = (torch.randn(decodes, kv_heads * group + 2, dim, generator=g) * 3)[:, 1:1 + kv_heads * group]
     lengths = torch.randint(1, width + 1, (decodes,), generator=g)
     lengths[0] = width
     slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
     out = avx512.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
     torch.testing.assert_close(out, _sdpa_reference(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
+    into = torch.full((decodes + 1, *q.shape[1:]), float("nan"))
+    assert avx512.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, out=into[1:]) is not None
+    assert torch.equal(into[1:], out) and into[0].isnan().all()
 
 
 def test_decode_attention_ignores_padding_and_refuses_bad_slots():
@@ -106,6 +110,22 @@ def test_decode_attention_ignores_padding_and_refuses_bad_slots():
         avx512.decode_attention(q, k_cache, v_cache, slots, torch.tensor([4, 1]), 0.125)
     with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
         avx512.decode_attention(torch.randn(2, 2, 32), torch.randn(10, 1, 32), torch.randn(10, 1, 32), slots, lengths, 1.0)
+
+
+def test_store_kv_is_index_copy():
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64, generator=g)
+    qkv = torch.randn(5, 15, 64, generator=g)  # 9 query heads, then K and V: strided rows
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([7, 0, 19, 3, 8])
+    want_k, want_v = k_cache.clone().index_copy_(0, slots, k), v_cache.clone().index_copy_(0, slots, v)
+    avx512.store_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        avx512.store_kv(k_cache, v_cache, torch.tensor([7, 0, 20, 3, 8]), k, v)
+    assert torch.equal(k_cache, want_k)  # refused before anything was written
+    with pytest.raises(RuntimeError, match="slot_mapping must be"):
+        avx512.store_kv(k_cache, v_cache, slots[:4], k, v)
 
 
 @settings(max_examples=30, deadline=None)

@@ -56,33 +56,22 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> tuple[ForwardInput, list[BatchEntry], list[list[int]]]:
         """Lay the batch out flat (prefills first, then decodes) and say which logits rows each entry needs."""
-        order = batch.prefills + batch.decodes
         token_ids: list[int] = []
         positions, slots, prefills = [], [], []
         flat_rows: list[int] = []  # batch rows whose logits are computed
         rows_per_entry: list[list[int]] = []  # for each entry, its rows of the logits tensor
-        decode_contexts: list[torch.Tensor] = []
-        decode_runs: list[tuple[int, int]] | None = []
         offset = 0
-        for entry in order:
+        for entry in batch.prefills:
             r, start, end = entry.request, entry.start, entry.end
-            token_ids += [r.token_id_at(start)] if entry.num_tokens == 1 else r.token_slice(start, end)
+            token_ids += r.token_slice(start, end)
             positions.append(torch.arange(start, end))
             context = self._slots(entry, 0, end)
             slots.append(context[start:])
-            if entry.is_prefill:
-                mask = None
-                if start > 0:
-                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask,
-                                            self._contiguous_start(entry, end) if start > 0 else None))
-            else:
-                decode_contexts.append(context)
-                run_start = self._contiguous_start(entry, end) if decode_runs is not None else None
-                if run_start is None:
-                    decode_runs = None  # one scattered context: the batched gather serves them all
-                else:
-                    decode_runs.append((run_start, end))
+            mask = None
+            if start > 0:
+                mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask,
+                                        self._contiguous_start(entry, end) if start > 0 else None))
             if self._wants_prompt_logprobs(entry):
                 rows = range(offset, offset + entry.num_tokens)
             else:
@@ -90,28 +79,56 @@ class ModelRunner:
             rows_per_entry.append(list(range(len(flat_rows), len(flat_rows) + len(rows))))
             flat_rows.extend(rows)
             offset += entry.num_tokens
-        decode_slots = decode_mask = lens = None
-        if decode_contexts:
-            lens = torch.tensor([len(c) for c in decode_contexts])
-            width = int(lens.max())
-            decode_slots = torch.full((len(decode_contexts), width), self.pad_slot, dtype=torch.long)
-            for i, c in enumerate(decode_contexts):
-                decode_slots[i, : len(c)] = c
-            decode_mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
+        decode_slots = decode_mask = lens = decode_runs = None
+        if batch.decodes:
+            token_ids += [e.request.token_id_at(e.start) for e in batch.decodes]
+            positions.append(torch.tensor([e.start for e in batch.decodes]))
+            decode_slots, lens, decode_runs = self._decode_contexts(batch.decodes)
+            slots.append(decode_slots[torch.arange(len(batch.decodes)), lens - 1])
+            decode_mask = (torch.arange(decode_slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+            for entry in batch.decodes:
+                rows_per_entry.append([len(flat_rows)] if entry.samples else [])
+                if entry.samples:
+                    flat_rows.append(offset)
+                offset += 1
         dev = self.device
         inp = ForwardInput(
             token_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.cat(positions).to(dev),
             slot_mapping=torch.cat(slots).to(dev),
             prefills=[self._to_device(p) for p in prefills],
-            num_decodes=len(decode_contexts),
+            num_decodes=len(batch.decodes),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
-            decode_runs=decode_runs or None,
+            decode_runs=decode_runs,
             decode_lengths=lens,
         )
-        return inp, order, rows_per_entry
+        return inp, batch.prefills + batch.decodes, rows_per_entry
+
+    def _decode_contexts(self, decodes: list[BatchEntry]):
+        """Every decode's context slots at once: [D, longest context] padded with the zero slot, the
+        context lengths [D], and each context's (first slot, length) when all are contiguous runs.
+
+        One set of tensor ops for the whole batch: per-request ones cost more than the model's
+        attention at small batches.
+        """
+        bs = self.blocks.block_size
+        tables = [self.blocks.block_table(e.request) for e in decodes]
+        ends = [e.end for e in decodes]
+        widest = max(len(t) for t in tables)
+        table = torch.tensor([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=torch.long)
+        lens = torch.tensor(ends, dtype=torch.long)
+        pos = torch.arange(max(ends))
+        context = (table[:, pos // bs] * bs + pos % bs).masked_fill_(pos[None, :] >= lens[:, None], self.pad_slot)
+        runs: list[tuple[int, int]] | None = []
+        for entry in decodes:
+            start = self._contiguous_start(entry, entry.end)
+            if start is None:
+                runs = None  # one scattered context: the batched gather serves them all
+                break
+            runs.append((start, entry.end))
+        return context, lens, runs
 
     def _to_device(self, span: PrefillSpan) -> PrefillSpan:
         if span.context_slots is None or self.device.type == "cpu":
@@ -137,7 +154,11 @@ class ModelRunner:
                 sample_rows.append(rows[-1])
                 sample_ids.append(entry.request.request_id)
                 sample_params.append(entry.request.params)
-        tokens = self.sampler.sample(logits[sample_rows], sample_ids, sample_params) if sample_rows else []
+        if sample_rows == list(range(logits.shape[0])):
+            sampled = logits  # every row, in order: no 3 MB copy of 16 rows of a 49k vocabulary
+        else:
+            sampled = logits[sample_rows]
+        tokens = self.sampler.sample(sampled, sample_ids, sample_params) if sample_rows else []
         result.tokens = dict(zip(sample_ids, tokens))
         for entry, rows in zip(order, rows_per_entry):
             r = entry.request

@@ -11,8 +11,9 @@ SDPA run such small shapes.
   row's result does not depend on the other rows of its batch.
 - `decode_attention`: each decode's query against its own context, read in place through its
   slot list, with no padded copy of the contexts and one call for the whole batch.
-- Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`): one call each instead of two to
-  five small torch ops, which cost 4-30 us apiece on a 16-row batch.
+- Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
+  of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
+- `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
 
 The kernels are compiled with torch's C++ extension loader (ninja, g++) once per machine and
 cached. Without AVX-512 or a compiler, or with CHARIOTEER_AVX512=0, `available()` is False and the
@@ -34,8 +35,9 @@ MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-st
 HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 
 _KERNELS = Path(__file__).parent / "kernels"
-_SOURCES = [_KERNELS / name for name in ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp")]
-_HEADERS = [_KERNELS / "vec_math.h"]
+_SOURCES = [_KERNELS / name for name in
+            ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp")]
+_HEADERS = [_KERNELS / name for name in ("vec_math.h", "decode_layers.h")]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
 # want FMAs ask for them by intrinsic).
 _FLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -114,11 +116,22 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q K^T * scale) V per decode, K and V read in place: q [D, heads, dim], caches
-    [slots, kv_heads, dim], slots [D, width] (row d's first lengths[d] entries are its context).
-    Returns [D, heads, dim]; query head h reads KV head h // (heads / kv_heads)."""
-    return _kernels().decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+                     lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T * scale) V per decode, K and V read in place: q [D, heads, dim] (rows may be
+    strided), caches [slots, kv_heads, dim], slots [D, width] (row d's first lengths[d] entries are
+    its context). Writes `out` (default a new [D, heads, dim] tensor) and returns it; query head h
+    reads KV head h // (heads / kv_heads)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _kernels().decode_attention(q, k_cache, v_cache, slots, lengths, scale, out)
+    return out
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] (rows may be
+    strided): index_copy_ without its per-element indexing, which costs 20 us a call on cold cache rows."""
+    _kernels().store_kv(k_cache, v_cache, slot_mapping, k, v)
 
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,6 +147,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] fused gate/up projection -> silu(gate) * up, [T, I]."""
     return _kernels().silu_mul(gate_up)
+
+
+def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: list[torch.Tensor],
+                  ffn_norm: list[torch.Tensor], gate_up: list[torch.Tensor], down: list[torch.Tensor], *, heads: int,
+                  kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float):
+    """A runner of every layer for decode-only batches, on the kernels above in one C++ call.
+
+    Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
+    fused gate/up and down weights. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
+    [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
+    """
+    return _kernels().DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, heads, kv_heads, head_dim,
+                                   intermediate, eps, scale)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ The linear layers (fused QKV, O, fused gate/up, down) run once over every token 
 Attention runs per request against its own KV cache: each prefill chunk attends causally to its
 cached prefix and to itself (the paper's Figure 6); all decodes run as one call, on AVX-512 CPUs
 a kernel reading each context in place (charioteer.model.avx512), else one padded, masked SDPA.
+On AVX-512 CPUs a decode-only batch runs every layer in one C++ call of the same kernels.
 """
 from __future__ import annotations
 
@@ -181,6 +182,14 @@ class LlamaModel:
         self.linears = [{name: Linear(layer[name], pack, kernels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         self.lm_head_linear = Linear(self.lm_head, pack, kernels) if self.lm_head is not None else None
+        self.decode_layers = None  # every layer of a decode-only batch in one C++ call, see _run_decode_layers
+        if self.fused_decode_attention and self.fused_row_ops:
+            self.decode_layers = avx512.decode_layers(
+                [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
+                [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
+                [lin["gate_up"].panels for lin in self.linears], [lin["down"].panels for lin in self.linears],
+                heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+                eps=c.rms_norm_eps, scale=c.head_dim ** -0.5)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -220,6 +229,9 @@ class LlamaModel:
         if self.fused_row_ops:
             x = x.clone()  # _add_norm updates it in place; the caller's tensor stays as it was
         h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_norm_eps)
+        if self._runs_decode_layers(inp, hooks):
+            return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
+                                          inp.decode_lengths)
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
             qkv = run("preproj", lambda: linear["qkv"](h))
             # Q and K heads sit side by side in the fused projection: rotate them in one pass.
@@ -234,6 +246,13 @@ class LlamaModel:
             else:
                 x = x + ffn
         return x
+
+    def _runs_decode_layers(self, inp: ForwardInput, hooks) -> bool:
+        """Whether this batch takes the one-call C++ path: the same kernels in the same order as the
+        loop below (so the same bits), for decode-only batches the panel GEMM serves, unprofiled."""
+        return (self.decode_layers is not None and self.fused_decode_attention and self.fused_row_ops
+                and hooks is None and not inp.prefills
+                and inp.decode_lengths is not None and 0 < inp.num_decodes <= avx512.MAX_ROWS)
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.fused_row_ops:
@@ -293,9 +312,12 @@ class LlamaModel:
     def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput) -> torch.Tensor:
         c = self.config
         k_cache, v_cache = layer_kv[0], layer_kv[1]
-        k_cache.index_copy_(0, inp.slot_mapping, k)
-        v_cache.index_copy_(0, inp.slot_mapping, v)
-        out = torch.empty_like(q)
+        if self.fused_row_ops:
+            avx512.store_kv(k_cache, v_cache, inp.slot_mapping, k, v)
+        else:
+            k_cache.index_copy_(0, inp.slot_mapping, k)
+            v_cache.index_copy_(0, inp.slot_mapping, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in inp.prefills:
             rows = slice(span.offset, span.offset + span.num_tokens)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
@@ -319,8 +341,8 @@ class LlamaModel:
             qd = q[first:].unsqueeze(2)  # [D, heads, 1, dim]
             gqa = c.num_kv_heads != c.num_heads
             if self.fused_decode_attention and inp.decode_lengths is not None:
-                out[first:] = avx512.decode_attention(q[first:], k_cache, v_cache, inp.decode_slots,
-                                                      inp.decode_lengths, c.head_dim ** -0.5)
+                avx512.decode_attention(q[first:], k_cache, v_cache, inp.decode_slots, inp.decode_lengths,
+                                        c.head_dim ** -0.5, out=out[first:])
             elif self._decode_in_place(inp, k_cache):
                 for i, (start, length) in enumerate(inp.decode_runs):
                     kd = k_cache[start:start + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]

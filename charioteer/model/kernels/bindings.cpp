@@ -1,8 +1,12 @@
 #include <torch/extension.h>
 
+#include "decode_layers.h"
+
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& slots, const torch::Tensor& lengths, double scale);
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+              const torch::Tensor& k, const torch::Tensor& v);
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
@@ -11,8 +15,14 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by avx512.pack");
   m.def("decode_attention", &decode_attention, "one query token per request against its cached context");
+  m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight");
   m.def("rope", &rope, "x * cos + roll(x) * signed_sin, bitwise the formula");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t,
+                    int64_t, int64_t, double, double>())
+      .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
 }

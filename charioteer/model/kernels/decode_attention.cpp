@@ -10,72 +10,117 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-template <int Dim>
-void attend(const float* q, int64_t heads, const float* k, const float* v, int64_t row_stride,
-            const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
+constexpr int kMaxGroup = 4;  // query heads scored together against one read of a K or V row
+constexpr int64_t kAhead = 8;  // K rows prefetched ahead of the score loop
+
+inline void prefetch_row(const float* row, int dim, int hint) {
+  for (int c = 0; c < dim; c += 16) {
+    if (hint == 0) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
+    else _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
+  }
+}
+
+// Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
+// G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
+// so K rows are prefetched a few rows ahead and V rows into L2 during the score pass.
+template <int Dim, int G>
+void attend_group(const float* q, int64_t q_stride, const float* k, const float* v, int64_t row_stride,
+                  const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
   constexpr int C = Dim / 16;
-  for (int64_t j = 0; j < heads; ++j) {
-    __m512 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + j * Dim + 16 * c);
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < length; ++t) {
-      const float* kr = k + slots[t] * row_stride;
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+  __m512 qv[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q + j * q_stride + 16 * c);
+  float best[G];
+  for (int j = 0; j < G; ++j) best[j] = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < length; ++t) {
+    if (t + kAhead < length) prefetch_row(k + slots[t + kAhead] * row_stride, Dim, 0);
+    prefetch_row(v + slots[t] * row_stride, Dim, 1);
+    const float* kr = k + slots[t] * row_stride;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    for (int j = 0; j < G; ++j) {
+      __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
       const float s = _mm512_reduce_add_ps(acc) * scale;
-      scores[t] = s;
-      best = std::max(best, s);
+      scores[j * length + t] = s;
+      best[j] = std::max(best[j], s);
     }
-    const __m512 top = _mm512_set1_ps(best);
+  }
+  float inv[G];
+  for (int j = 0; j < G; ++j) {
+    float* sj = scores + j * length;
+    const __m512 top = _mm512_set1_ps(best[j]);
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
       const __mmask16 m = lanes(length - t);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
-      _mm512_mask_storeu_ps(scores + t, m, e);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sj + t), top));
+      _mm512_mask_storeu_ps(sj + t, m, e);
       total = _mm512_mask_add_ps(total, m, total, e);
     }
-    __m512 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; ++t) {
-      const float* vr = v + slots[t] * row_stride;
-      const __m512 p = _mm512_set1_ps(scores[t]);
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+    inv[j] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  __m512 acc[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    const float* vr = v + slots[t] * row_stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * length + t]);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + j * Dim + 16 * c, _mm512_mul_ps(acc[c], inv));
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + j * Dim + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+}
+
+// All `heads` query heads that share one KV head, kMaxGroup at a time.
+template <int Dim>
+void attend(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v, int64_t row_stride,
+            const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
+  using Fn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t, float,
+                      float*, float*);
+  static constexpr Fn by_size[kMaxGroup] = {attend_group<Dim, 1>, attend_group<Dim, 2>, attend_group<Dim, 3>,
+                                            attend_group<Dim, 4>};
+  for (int64_t j = 0; j < heads; j += kMaxGroup) {
+    const int64_t g = std::min<int64_t>(kMaxGroup, heads - j);
+    by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim, scores);
   }
 }
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& slots, const torch::Tensor& lengths, double scale) {
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q must be [D, heads, dim] and the caches [slots, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "fp32 only");
+              v_cache.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "fp32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous (its rows may be strided)");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor of q's shape");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong && lengths.dim() == 1 &&
               lengths.scalar_type() == torch::kLong, "slots must be [D, width] and lengths [D], int64");
   const int64_t decodes = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(slots.size(0) == decodes && lengths.size(0) == decodes, "one slot row and length per query");
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
-  const auto qc = q.contiguous();
   const auto sc = slots.contiguous();
   const auto lc = lengths.contiguous();
   const int64_t width = sc.size(1), num_slots = k_cache.size(0);
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t d = 0; d < decodes; ++d) TORCH_CHECK(0 < len[d] && len[d] <= width, "length out of range");
-  auto out = torch::empty({decodes, heads, dim}, q.options());
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
-  const float* qp = qc.data_ptr<float>();
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim, q_rows = q.stride(0);
+  const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* sp = sc.data_ptr<int64_t>();
@@ -83,13 +128,40 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   for (int64_t i = 0; i < decodes * width; ++i) TORCH_CHECK(0 <= sp[i] && sp[i] < num_slots, "slot out of range");
   const auto fn = dim == 64 ? attend<64> : attend<128>;
   at::parallel_for(0, decodes * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(width);
+    std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
     for (int64_t i = first; i < last; ++i) {
       const int64_t d = i / kv_heads, g = i % kv_heads;
-      const int64_t head = (d * heads + g * group) * dim;
-      fn(qp + head, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
-         static_cast<float>(scale), op + head, scores.data());
+      fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
+         static_cast<float>(scale), op + (d * heads + g * group) * dim, scores.data());
     }
   });
-  return out;
+}
+
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: the step's new K/V rows (which may be
+// strided views of the fused QKV projection) copied into the cache, a memcpy per row.
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+              const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "the caches must be contiguous [slots, kv_heads, dim]");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+              "k and v must be [T, kv_heads, dim] like the cache rows");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k's and v's heads must be contiguous (their rows may be strided)");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
+              k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat, "fp32 only");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&
+              slot_mapping.size(0) == k.size(0), "slot_mapping must be [T] int64");
+  const auto sm = slot_mapping.contiguous();
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  const int64_t rows = k.size(0), num_slots = k_cache.size(0), row = k.size(1) * k.size(2);
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot out of range");
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(float));
+    std::memcpy(vc + sp[t] * row, vp + t * vs, row * sizeof(float));
+  }
 }

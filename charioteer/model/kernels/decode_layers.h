@@ -1,0 +1,25 @@
+// See decode_layers.cpp.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+class DecodeLayers {
+ public:
+  // Per layer: the two norm weights and the four weights packed into panels (avx512.pack).
+  DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
+               std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
+
+  // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
+  // weight; kv [layers, 2, slots + 1, kv_heads, dim]; cos, signed_sin [D, dim]; slot_mapping [D];
+  // slots [D, width] and lengths [D] as for decode_attention.
+  torch::Tensor run(torch::Tensor x, torch::Tensor h, const torch::Tensor& kv, const torch::Tensor& cos,
+                    const torch::Tensor& signed_sin, const torch::Tensor& slot_mapping, const torch::Tensor& slots,
+                    const torch::Tensor& lengths);
+
+ private:
+  std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_;
+  int64_t heads_, kv_heads_, head_dim_, intermediate_;
+  double eps_, scale_;
+};
