@@ -71,13 +71,13 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
 
     from charioteer.sim.validate import FEATURES, ProfiledCostModel
 
-    truth = {"batch": 2e-3, "entries": 1e-4, "tokens": 3e-5, "small_batch_tokens": 2e-5, "prefill_attention": 1e-8,
-             "decode_context": 2e-7}
+    truth = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
+             "small_batch_tokens": 2e-5, "prefill_attention": 1e-8, "decode_context": 2e-7}
     true_model = ProfiledCostModel(truth)
     rng = np.random.default_rng(0)
     records = []
     for _ in range(200):
-        plan = [(int(rng.integers(1, 200)), int(rng.integers(0, 500)), True)] if rng.random() < 0.5 else []
+        plan = [(int(rng.integers(1, 200)), int(rng.integers(0, 500)), True) for _ in range(int(rng.integers(0, 3)))]
         plan += [(1, int(rng.integers(10, 900)), False) for _ in range(int(rng.integers(0, 12)))]
         if plan:
             records.append((plan, true_model.predict(plan)))

@@ -4,10 +4,15 @@
 timing the real engine (this CPU), like the paper's simulator (profile, then fit a regression):
 
     t = c_batch                                   fixed per step: scheduling, sampling, Python
-      + c_entry   * requests in the batch         per-request work: preparation, LM head row, sampling
-      + c_token   * tokens                        linear layers (QKV, O, MLP) per token
+      + c_prefill_step * (1 if any prefill)       the op-by-op layer loop a step with a prompt chunk
+                                                  runs; decode-only steps run every layer in one
+                                                  C++ call on AVX-512 CPUs, without it
+      + c_prefill_entry * prefill entries         per chunk: its attention call, its LM head row
+      + c_prefill_token * prefill tokens          linear layers (QKV, O, MLP) per prompt token
+      + c_decode_row * decodes                    per decode: its GEMM rows (weights already
+                                                  streaming), LM head row, sampling
       + c_small   * min(tokens, 64)               extra per token in batches of up to 64 rows, which
-                                                  the engine runs through MKL's packed GEMM, with a
+                                                  run on the panel GEMM or MKL's packed GEMM, with a
                                                   different per-row cost from plain GEMM above 64
       + c_prefill * sum over prefill entries of c * (k + (c + 1) / 2)   causal attention work
       + c_decode  * sum over decodes of context   decode attention (K/V reads)
@@ -29,21 +34,25 @@ import numpy as np
 
 from charioteer.sim.cost import CostModel, plan_of
 
-FEATURES = ("batch", "entries", "tokens", "small_batch_tokens", "prefill_attention", "decode_context")
+FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "small_batch_tokens",
+            "prefill_attention", "decode_context")
 SMALL_BATCH_ROWS = 64  # charioteer.model.llama.PACKED_GEMM_MAX_ROWS (not imported: the simulator stays torch-free)
 
 
 def plan_features(plan) -> list[float]:
-    tokens = 0
+    prefill_entries = prefill_tokens = decodes = dec = 0
     pre = 0.0
-    dec = 0
     for num, start, is_prefill in plan:
-        tokens += num
         if is_prefill:
+            prefill_entries += 1
+            prefill_tokens += num
             pre += num * (start + (num + 1) / 2)
         else:
+            decodes += num
             dec += start + num
-    return [1.0, float(len(plan)), float(tokens), float(min(tokens, SMALL_BATCH_ROWS)), pre, float(dec)]
+    tokens = prefill_tokens + decodes
+    return [1.0, float(prefill_entries > 0), float(prefill_entries), float(prefill_tokens), float(decodes),
+            float(min(tokens, SMALL_BATCH_ROWS)), pre, float(dec)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
