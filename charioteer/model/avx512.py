@@ -37,7 +37,7 @@ HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / name for name in
             ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp")]
-_HEADERS = [_KERNELS / name for name in ("vec_math.h", "decode_layers.h")]
+_HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h")]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
 # want FMAs ask for them by intrinsic).
 _FLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-ffp-contract=off", "-fopenmp"]

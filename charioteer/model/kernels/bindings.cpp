@@ -1,16 +1,4 @@
-#include <torch/extension.h>
-
-#include "decode_layers.h"
-
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
-void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-              const torch::Tensor& k, const torch::Tensor& v);
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-torch::Tensor argmax_rows(const torch::Tensor& logits);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by avx512.pack");

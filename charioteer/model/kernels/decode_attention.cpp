@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #include <algorithm>

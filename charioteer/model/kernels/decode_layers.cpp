@@ -5,16 +5,7 @@
 // What goes away is Python's and the dispatcher's work between them: at a decode step every weight
 // has streamed through the caches since the last step, so each small op pays for cold interpreter
 // and allocator state: the op-by-op loop costs 3-4 ms more per 16-decode SmolLM2 step (35 ms).
-#include "decode_layers.h"
-
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
-void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-              const torch::Tensor& k, const torch::Tensor& v);
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+#include "kernels.h"
 
 DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv,
                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> ffn_norm,

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #include <algorithm>

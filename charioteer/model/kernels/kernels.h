@@ -1,9 +1,20 @@
-// See decode_layers.cpp.
+// The kernels' entry points, shared by the Python bindings and the one-call decode layers.
 #pragma once
 #include <torch/extension.h>
 
 #include <vector>
 
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+              const torch::Tensor& k, const torch::Tensor& v);
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
+
+// Every layer of a decode-only batch in one call (decode_layers.cpp).
 class DecodeLayers {
  public:
   // Per layer: the two norm weights and the four weights packed into panels (avx512.pack).
