@@ -43,6 +43,8 @@ def test_non_contiguous_input_and_empty_batch():
     w, x = torch.randn(40, 64), torch.randn(64, 6)
     panels = avx512.pack(w)
     torch.testing.assert_close(avx512.linear(x.T, panels, 40), _reference(x.T, w))
+    wide = torch.randn(11, 100)  # rows read in place at their stride: the same bits as a copy
+    assert torch.equal(avx512.linear(wide[:, 3:67], panels, 40), avx512.linear(wide[:, 3:67].contiguous(), panels, 40))
     assert avx512.linear(torch.empty(0, 64), panels, 40).shape == (0, 40)
 
 
