@@ -182,7 +182,7 @@ class LlamaModel:
         self.linears = [{name: Linear(layer[name], pack, kernels) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         self.lm_head_linear = Linear(self.lm_head, pack, kernels) if self.lm_head is not None else None
-        self.decode_layers = None  # every layer of a decode-only batch in one C++ call, see _run_decode_layers
+        self.decode_layers = None  # every layer of a decode-only batch in one C++ call, see _runs_decode_layers
         if self.fused_decode_attention and self.fused_row_ops:
             self.decode_layers = avx512.decode_layers(
                 [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
