@@ -3,8 +3,11 @@
 The linear layers (fused QKV, O, fused gate/up, down) run once over every token of the batch.
 Attention runs per request against its own KV cache: each prefill chunk attends causally to its
 cached prefix and to itself (the paper's Figure 6); all decodes run as one call, on AVX-512 CPUs
-a kernel reading each context in place (charioteer.model.avx512), else one padded, masked SDPA.
+a kernel reading each context in place (charioteer.model.avx512), else SDPA.
 On AVX-512 CPUs a decode-only batch runs every layer in one C++ call of the same kernels.
+
+Which code runs is decided in two places: `Kernels.choose`, once per model, and `select_paths`,
+once per batch (its docstring has the table).
 """
 from __future__ import annotations
 
@@ -56,7 +59,6 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype=torch.float32,
                  num_layers: int | None = None) -> None:
         """`num_layers`: layers held here (a pipeline stage holds only its own); default all."""
-        self.num_slots = num_slots
         self.pad_slot = num_slots
         self.data = torch.empty(
             num_layers if num_layers is not None else config.num_layers, 2, num_slots + 1,
@@ -116,6 +118,133 @@ class Linear:
         return F.linear(x, self.weight)
 
 
+class TorchRowOps:
+    """A layer's element-wise steps as torch ops."""
+
+    @staticmethod
+    def residual(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def rope(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))
+
+    @staticmethod
+    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(x + delta, its RMSNorm)."""
+        x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+
+
+class Avx512RowOps:
+    """The same steps, one AVX-512 kernel call each (tests/test_avx512.py compares them with the torch ops)."""
+
+    @staticmethod
+    def residual(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()  # add_norm updates it in place; the caller's tensor stays as it was
+
+    @staticmethod
+    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        return x, avx512.add_rms_norm_(x, delta, weight, eps)
+
+    rope = staticmethod(avx512.rope)
+    silu_mul = staticmethod(avx512.silu_mul)
+    store_kv = staticmethod(avx512.store_kv)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The optional kernels one model runs, fixed at its construction by `choose`."""
+
+    panel_gemm: bool  # Linear: AVX-512 panel GEMM for 1 to avx512.MAX_ROWS rows
+    packed_gemm: bool  # Linear: MKL's packed sgemm for 1 to PACKED_GEMM_MAX_ROWS rows
+    row_ops: bool  # Avx512RowOps instead of TorchRowOps
+    decode_attention: bool  # avx512.decode_attention for a batch's decodes
+    decode_layers: bool  # a decode-only batch's every layer in one C++ call of the kernels above
+
+    def __post_init__(self) -> None:
+        if self.decode_layers and not (self.row_ops and self.decode_attention):
+            raise ValueError("decode_layers runs the AVX-512 row ops and decode attention: it needs both")
+
+    @classmethod
+    def choose(cls, config: ModelConfig, device: torch.device) -> Kernels:
+        """The AVX-512 kernels on a CPU that runs them (see avx512.available; CHARIOTEER_AVX512=0
+        turns them off), each where the head size suits it; MKL's packed GEMM where torch has it,
+        unless CHARIOTEER_PACKED_GEMM=0."""
+        avx = device.type == "cpu" and avx512.available()
+        row_ops = avx and config.head_dim % 32 == 0
+        decode_attention = avx and config.head_dim in avx512.HEAD_DIMS
+        return cls(panel_gemm=avx, packed_gemm=packed_gemm_available(device), row_ops=row_ops,
+                   decode_attention=decode_attention, decode_layers=row_ops and decode_attention)
+
+    @property
+    def ops(self) -> type[TorchRowOps] | type[Avx512RowOps]:
+        return Avx512RowOps if self.row_ops else TorchRowOps
+
+
+@dataclass(frozen=True)
+class BatchPaths:
+    decode_layers: bool  # every layer in one C++ call (LlamaModel.decode_layers)
+    decode_attention: str | None  # "kernel", "in_place" or "gathered"; None when the batch has no decodes
+
+
+def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: bool) -> BatchPaths:
+    """The paths one batch takes through a model with `kernels`.
+
+    path                        taken when
+    --------------------------  -----------------------------------------------------------------
+    decode_layers               kernels.decode_layers, a decode-only batch of 1 to avx512.MAX_ROWS
+                                rows with decode_lengths, not profiled (hooks time the loop's ops)
+    decode_attention "kernel"   kernels.decode_attention and decode_lengths given
+    decode_attention "in_place" else, each decode's context is one run of slots and reading it in
+                                place pays (_in_place_decode_pays): SDPA per decode on cache rows
+    decode_attention "gathered" else: one SDPA over the contexts gathered and padded, masked
+
+    Within the layer loop, each prefill chunk attends to its own K/V when it has no cached prefix,
+    else to its context's cache rows in place when they are one run, else to a gathered copy;
+    `Linear` picks its GEMM by row count, and `kernels.ops` runs the element-wise steps.
+    """
+    has_lengths = inp.decode_lengths is not None
+    decode_layers = (kernels.decode_layers and not profiled and not inp.prefills and has_lengths
+                     and 0 < inp.num_decodes <= avx512.MAX_ROWS)
+    if not inp.num_decodes:
+        decode_attention = None
+    elif kernels.decode_attention and has_lengths:
+        decode_attention = "kernel"
+    elif _in_place_decode_pays(inp, kv):
+        decode_attention = "in_place"
+    else:
+        decode_attention = "gathered"
+    return BatchPaths(decode_layers, decode_attention)
+
+
+def _in_place_decode_pays(inp: ForwardInput, kv: KVCache) -> bool:
+    """Whether to attend each decode on its own contiguous cache rows instead of one batched call on
+    a gathered copy.
+
+    The batched call copies every context (padded to the longest) and reads the copy again; a
+    call per decode reads the cache once but pays a call's overhead. Per decode from
+    DECODE_IN_PLACE_MIN_BYTES of K and V per layer the copy costs more: LLaMA-7B's 230-token
+    contexts are 7.5 MB each, SmolLM2's 100-token ones 150 KB.
+    """
+    if inp.decode_runs is None:
+        return False
+    row_bytes = 2 * kv.data.shape[-2] * kv.data.shape[-1] * kv.data.element_size()  # K and V of one position
+    mean_context = sum(length for _, length in inp.decode_runs) / len(inp.decode_runs)
+    return mean_context * row_bytes >= DECODE_IN_PLACE_MIN_BYTES
+
+
 def stage_weight_names(config: ModelConfig, layer_range: tuple[int, int]) -> list[str]:
     """State-dict names a model holding layers [start, end) needs (a pipeline stage's share)."""
     start, end = layer_range
@@ -135,6 +264,33 @@ def stage_weight_names(config: ModelConfig, layer_range: tuple[int, int]) -> lis
     return names
 
 
+def _layer_weights(w, p: str) -> dict[str, torch.Tensor]:
+    """Layer `p`'s weights, through w(name), with Q/K/V and gate/up fused into one matrix each."""
+    return dict(
+        attn_norm=w(p + "input_layernorm.weight"),
+        qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+        o=w(p + "self_attn.o_proj.weight"),
+        ffn_norm=w(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+        down=w(p + "mlp.down_proj.weight"),
+    )
+
+
+def _rope_tables(c: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin (see apply_rope) of every position's rotary angles: [max_position, head_dim] each."""
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+    freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(device)
+    sin = emb.sin()
+    half = c.head_dim // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)
+
+
+def _unprofiled(_name: str, fn):
+    return fn()
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  layer_range: tuple[int, int] | None = None) -> None:
@@ -148,12 +304,18 @@ class LlamaModel:
         if self.device.type == "cpu":
             tune_allocator()
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K and V, see _gather
-        c = config
-        start, end = layer_range or (0, c.num_layers)
-        if not 0 <= start < end <= c.num_layers:
-            raise ValueError(f"layer range [{start}, {end}) is not inside the model's {c.num_layers} layers")
+        start, end = layer_range or (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside the model's {config.num_layers} layers")
         self.layer_range = (start, end)
-        self.is_first, self.is_last = start == 0, end == c.num_layers
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+        self._load_weights(state_dict)
+        self.kernels = Kernels.choose(config, self.device)
+        self._prepare_kernels()
+        self.cos_table, self.signed_sin_table = _rope_tables(config, self.device)
+
+    def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        c = self.config
 
         def w(name: str) -> torch.Tensor:
             return state_dict[name].to(self.device, torch.float32)
@@ -164,39 +326,26 @@ class LlamaModel:
         if self.is_last:
             self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
             self.final_norm = w("model.norm.weight")
-        self.layers = []
-        for i in range(start, end):
-            p = f"model.layers.{i}."
-            self.layers.append(dict(
-                attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                o=w(p + "self_attn.o_proj.weight"),
-                ffn_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
-            ))
-        pack = packed_gemm_available(self.device)
-        kernels = self.device.type == "cpu" and avx512.available()
-        self.fused_decode_attention = kernels and c.head_dim in avx512.HEAD_DIMS
-        self.fused_row_ops = kernels and c.head_dim % 32 == 0
-        self.linears = [{name: Linear(layer[name], pack, kernels) for name in ("qkv", "o", "gate_up", "down")}
+        self.layers = [_layer_weights(w, f"model.layers.{i}.") for i in range(*self.layer_range)]
+
+    def _prepare_kernels(self) -> None:
+        """The weights in the layouts self.kernels' GEMMs read, and the one-call decode runner."""
+        c, k = self.config, self.kernels
+
+        def linear(weight: torch.Tensor) -> Linear:
+            return Linear(weight, k.packed_gemm, k.panel_gemm)
+
+        self.linears = [{name: linear(layer[name]) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
-        self.lm_head_linear = Linear(self.lm_head, pack, kernels) if self.lm_head is not None else None
-        self.decode_layers = None  # every layer of a decode-only batch in one C++ call, see _runs_decode_layers
-        if self.fused_decode_attention and self.fused_row_ops:
+        self.lm_head_linear = linear(self.lm_head) if self.lm_head is not None else None
+        self.decode_layers = None
+        if k.decode_layers:
             self.decode_layers = avx512.decode_layers(
                 [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
                 [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
                 [lin["gate_up"].panels for lin in self.linears], [lin["down"].panels for lin in self.linears],
                 heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
                 eps=c.rms_norm_eps, scale=c.head_dim ** -0.5)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table = emb.cos().to(self.device)
-        sin = emb.sin()
-        half = c.head_dim // 2
-        self.signed_sin_table = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
 
     @property
     def weight_bytes(self) -> int:
@@ -222,63 +371,36 @@ class LlamaModel:
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:
         """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers."""
-        c = self.config
-        run = hooks or (lambda _name, fn: fn())
+        c, ops = self.config, self.kernels.ops
+        paths = select_paths(self.kernels, inp, kv, profiled=hooks is not None)
         cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
-        k_end = c.q_size + c.kv_size
-        if self.fused_row_ops:
-            x = x.clone()  # _add_norm updates it in place; the caller's tensor stays as it was
+        x = ops.residual(x)
         h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_norm_eps)
-        if self._runs_decode_layers(inp, hooks):
+        if paths.decode_layers:  # the same kernels in the same order as the loop below: the same bits
             return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
                                           inp.decode_lengths)
+        run, k_end = hooks or _unprofiled, c.q_size + c.kv_size
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
             qkv = run("preproj", lambda: linear["qkv"](h))
             # Q and K heads sit side by side in the fused projection: rotate them in one pass.
-            qk = self._rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = ops.rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
-            attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp))
-            x, h = self._add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"])
-            ffn = run("ffn", lambda: self._mlp(h, linear))
+            attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp, paths.decode_attention))
+            x, h = ops.add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"], c.rms_norm_eps)
+            ffn = run("ffn", lambda: linear["down"](ops.silu_mul(linear["gate_up"](h))))
             if index + 1 < len(self.layers):  # the next layer's input norm, fused with the residual add
-                x, h = self._add_norm(x, ffn, self.layers[index + 1]["attn_norm"])
+                x, h = ops.add_norm(x, ffn, self.layers[index + 1]["attn_norm"], c.rms_norm_eps)
             else:
                 x = x + ffn
         return x
 
-    def _runs_decode_layers(self, inp: ForwardInput, hooks) -> bool:
-        """Whether this batch takes the one-call C++ path: the same kernels in the same order as the
-        loop below (so the same bits), for decode-only batches the panel GEMM serves, unprofiled."""
-        return (self.decode_layers is not None and self.fused_decode_attention and self.fused_row_ops
-                and hooks is None and not inp.prefills
-                and inp.decode_lengths is not None and 0 < inp.num_decodes <= avx512.MAX_ROWS)
-
-    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.fused_row_ops:
-            return avx512.rope(qk, cos, sin)
-        return apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
-
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
-        """(x + delta, its RMSNorm); the fused kernel updates x in place."""
-        if self.fused_row_ops:
-            return x, avx512.add_rms_norm_(x, delta, weight, self.config.rms_norm_eps)
-        x = x + delta
-        return x, rms_norm(x, weight, self.config.rms_norm_eps)
-
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
         """The last stage's output: logits [len(logits_rows), vocab] from the final hidden states."""
-        run = hooks or (lambda _name, fn: fn())
+        run = hooks or _unprofiled
         h = rms_norm(x[inp.logits_rows], self.final_norm, self.config.rms_norm_eps)
         return run("lm_head", lambda: self.lm_head_linear(h))
-
-    def _mlp(self, h: torch.Tensor, linear: dict[str, Linear]) -> torch.Tensor:
-        gate_up = linear["gate_up"](h)
-        if self.fused_row_ops:
-            return linear["down"](avx512.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear["down"](F.silu(gate) * up)
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
         """Rows `slots` of a K or V cache, copied into a buffer reused across layers and steps.
@@ -294,65 +416,60 @@ class LlamaModel:
             self._gather_buffers[which] = buf
         return torch.index_select(cache, 0, slots, out=buf[:n])
 
-    @staticmethod
-    def _decode_in_place(inp: ForwardInput, k_cache: torch.Tensor) -> bool:
-        """Attend each decode on its own contiguous cache rows instead of one batched call on a gathered copy.
-
-        The batched call copies every context (padded to the longest) and reads the copy again; a
-        call per decode reads the cache once but pays a call's overhead. Per decode from
-        DECODE_IN_PLACE_MIN_BYTES of K and V per layer the copy costs more: LLaMA-7B's 230-token
-        contexts are 7.5 MB each, SmolLM2's 100-token ones 150 KB.
-        """
-        if inp.decode_runs is None:
-            return False
-        row_bytes = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V of one position
-        mean_context = sum(length for _, length in inp.decode_runs) / len(inp.decode_runs)
-        return mean_context * row_bytes >= DECODE_IN_PLACE_MIN_BYTES
-
-    def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput) -> torch.Tensor:
-        c = self.config
+    def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput, decode_path: str | None) -> torch.Tensor:
+        """Store the batch's K/V, then attend: each prefill chunk, then the decodes along `decode_path`."""
         k_cache, v_cache = layer_kv[0], layer_kv[1]
-        if self.fused_row_ops:
-            avx512.store_kv(k_cache, v_cache, inp.slot_mapping, k, v)
-        else:
-            k_cache.index_copy_(0, inp.slot_mapping, k)
-            v_cache.index_copy_(0, inp.slot_mapping, v)
+        self.kernels.ops.store_kv(k_cache, v_cache, inp.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in inp.prefills:
-            rows = slice(span.offset, span.offset + span.num_tokens)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-            if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
-                ks, vs = k[rows], v[rows]
-                causal, mask = True, None
-            elif span.context_start is not None:  # the cache rows themselves, no copy
-                run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
-                ks, vs = k_cache[run], v_cache[run]
-                causal, mask = False, span.mask
-            else:
-                ks, vs = self._gather(k_cache, span.context_slots, 0), self._gather(v_cache, span.context_slots, 1)
-                causal, mask = False, span.mask
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
-            )
-            out[rows] = o[0].transpose(0, 1)
-        if inp.num_decodes:
+            self._prefill_attention(span, q, k, v, k_cache, v_cache, out)
+        if decode_path is not None:
             first = q.shape[0] - inp.num_decodes
-            qd = q[first:].unsqueeze(2)  # [D, heads, 1, dim]
-            gqa = c.num_kv_heads != c.num_heads
-            if self.fused_decode_attention and inp.decode_lengths is not None:
-                avx512.decode_attention(q[first:], k_cache, v_cache, inp.decode_slots, inp.decode_lengths,
-                                        c.head_dim ** -0.5, out=out[first:])
-            elif self._decode_in_place(inp, k_cache):
-                for i, (start, length) in enumerate(inp.decode_runs):
-                    kd = k_cache[start:start + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
-                    vd = v_cache[start:start + length].transpose(0, 1).unsqueeze(0)
-                    out[first + i] = F.scaled_dot_product_attention(qd[i:i + 1], kd, vd, enable_gqa=gqa)[0, :, 0]
-            else:
-                slots = inp.decode_slots.view(-1)
-                shape = (*inp.decode_slots.shape, c.num_kv_heads, c.head_dim)
-                kd = self._gather(k_cache, slots, 0).view(shape).transpose(1, 2)  # [D, kv_heads, context, dim]
-                vd = self._gather(v_cache, slots, 1).view(shape).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=inp.decode_mask, enable_gqa=gqa)
-                out[first:] = o.squeeze(2)
-        return out.view(q.shape[0], c.q_size)
+            decode = {"kernel": self._decode_kernel, "in_place": self._decode_in_place,
+                      "gathered": self._decode_gathered}[decode_path]
+            decode(q[first:], k_cache, v_cache, inp, out[first:])
+        return out.view(q.shape[0], self.config.q_size)
+
+    def _prefill_attention(self, span: PrefillSpan, q, k, v, k_cache, v_cache, out: torch.Tensor) -> None:
+        c = self.config
+        rows = slice(span.offset, span.offset + span.num_tokens)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
+            ks, vs = k[rows], v[rows]
+            causal, mask = True, None
+        elif span.context_start is not None:  # the cache rows themselves, no copy
+            run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
+            ks, vs = k_cache[run], v_cache[run]
+            causal, mask = False, span.mask
+        else:
+            ks, vs = self._gather(k_cache, span.context_slots, 0), self._gather(v_cache, span.context_slots, 1)
+            causal, mask = False, span.mask
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
+        )
+        out[rows] = o[0].transpose(0, 1)
+
+    # The decode paths of select_paths: q [D, heads, dim] of the batch's decodes, out its rows of the output.
+
+    def _decode_kernel(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
+        avx512.decode_attention(q, k_cache, v_cache, inp.decode_slots, inp.decode_lengths,
+                                self.config.head_dim ** -0.5, out=out)
+
+    def _decode_in_place(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
+        gqa = self.config.num_kv_heads != self.config.num_heads
+        qd = q.unsqueeze(2)  # [D, heads, 1, dim]
+        for i, (start, length) in enumerate(inp.decode_runs):
+            kd = k_cache[start:start + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
+            vd = v_cache[start:start + length].transpose(0, 1).unsqueeze(0)
+            out[i] = F.scaled_dot_product_attention(qd[i:i + 1], kd, vd, enable_gqa=gqa)[0, :, 0]
+
+    def _decode_gathered(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
+        c = self.config
+        slots = inp.decode_slots.view(-1)
+        shape = (*inp.decode_slots.shape, c.num_kv_heads, c.head_dim)
+        kd = self._gather(k_cache, slots, 0).view(shape).transpose(1, 2)  # [D, kv_heads, context, dim]
+        vd = self._gather(v_cache, slots, 1).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=inp.decode_mask,
+                                           enable_gqa=c.num_kv_heads != c.num_heads)
+        out[:] = o.squeeze(2)

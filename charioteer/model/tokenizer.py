@@ -155,11 +155,6 @@ class TextTokenizer:
     # ------------------------------------------------------------------ basic API
 
     @property
-    def backend(self) -> Tokenizer:
-        """The underlying `tokenizers.Tokenizer`."""
-        return self._tok
-
-    @property
     def add_bos_token(self) -> bool:
         """Whether encode(..., add_special_tokens=True) prepends BOS."""
         return self._add_bos_token
@@ -258,66 +253,7 @@ class TextTokenizer:
 
             reader = gguf.GGUFReader(os.fspath(reader))
 
-        tok_model = _gguf_get(reader, "tokenizer.ggml.model")
-        tokens = _gguf_get(reader, "tokenizer.ggml.tokens")
-        if tok_model is None or tokens is None:
-            raise ValueError(
-                "GGUF file has no tokenizer metadata (tokenizer.ggml.model / tokenizer.ggml.tokens); "
-                "it cannot be used for text generation on its own. Re-convert it with a tokenizer "
-                "(llama.cpp convert_hf_to_gguf.py) or load the tokenizer from the original "
-                "Hugging Face directory with TextTokenizer.from_hf_dir()."
-            )
-        if tok_model != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {tok_model!r}: only byte-level BPE "
-                "(tokenizer.ggml.model = 'gpt2') is implemented. Load the tokenizer from the "
-                "model's Hugging Face directory with TextTokenizer.from_hf_dir() instead."
-            )
-        pre_name = _gguf_get(reader, "tokenizer.ggml.pre")
-        if pre_name not in _PRE_TOKENIZERS:
-            raise ValueError(
-                f"unsupported GGUF pre-tokenizer {pre_name!r} (tokenizer.ggml.pre"
-                f"{'; missing means llama.cpp default' if pre_name is None else ''}); supported: "
-                f"{sorted(_PRE_TOKENIZERS)}. Load the tokenizer from the model's Hugging Face "
-                "directory with TextTokenizer.from_hf_dir() instead."
-            )
-        merges_raw = _gguf_get(reader, "tokenizer.ggml.merges")
-        if merges_raw is None:
-            raise ValueError("GGUF tokenizer metadata has no tokenizer.ggml.merges, required for BPE; "
-                             "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
-        token_types = _gguf_get(reader, "tokenizer.ggml.token_type")
-        if token_types is None:
-            token_types = [_TOKEN_TYPE_NORMAL] * len(tokens)
-        if len(token_types) != len(tokens):
-            raise ValueError(f"GGUF tokenizer metadata is inconsistent: {len(tokens)} tokens but "
-                             f"{len(token_types)} token types")
-
-        vocab: dict[str, int] = {}
-        for i, piece in enumerate(tokens):
-            # A duplicated piece can never be produced by BPE; keep the first id.
-            vocab.setdefault(piece, i)
-        merges: list[tuple[str, str]] = []
-        for m in merges_raw:
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges (expected 'left right')")
-            merges.append((parts[0], parts[1]))
-
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _PRE_TOKENIZERS[pre_name]()
-        tok.decoder = decoders.ByteLevel()
-        # CONTROL tokens (<|im_start|> ...) are special: matched as one piece in the
-        # input and dropped by decode(skip_special_tokens=True).  USER_DEFINED tokens
-        # are matched as one piece too but, as in llama.cpp, always rendered on decode.
-        added = []
-        for i, (piece, ttype) in enumerate(zip(tokens, token_types)):
-            if ttype in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) and vocab.get(piece) == i:
-                added.append(AddedToken(piece, special=ttype == _TOKEN_TYPE_CONTROL,
-                                        normalized=False, lstrip=False, rstrip=False,
-                                        single_word=False))
-        if added:
-            tok.add_tokens(added)  # all already in the vocab: ids unchanged
-
+        tok = _bpe_tokenizer(*_gguf_bpe_metadata(reader))
         bos_id = _gguf_get(reader, "tokenizer.ggml.bos_token_id")
         eos_id = _gguf_get(reader, "tokenizer.ggml.eos_token_id")
         if eos_id is None:
@@ -355,32 +291,15 @@ class TextTokenizer:
         tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         mcfg = _read_json(os.path.join(path, "config.json"))
 
-        def token_id(key: str) -> int | None:
-            value = tcfg.get(key)
-            if isinstance(value, Mapping):  # serialized AddedToken
-                value = value.get("content")
-            if isinstance(value, str):
-                tid = tok.token_to_id(value)
-                if tid is None:
-                    raise ValueError(f"tokenizer_config.json {key}={value!r} is not in the vocabulary")
-                return tid
-            return None
-
-        def config_id(key: str) -> int | None:
-            value = mcfg.get(key)
-            if isinstance(value, list):  # e.g. eos_token_id: [2, 0]; first is the main one
-                value = value[0] if value else None
-            return value if isinstance(value, int) else None
-
-        eos_id = token_id("eos_token")
+        eos_id = _hf_token_id(tok, tcfg, "eos_token")
         if eos_id is None:
-            eos_id = config_id("eos_token_id")
+            eos_id = _hf_config_id(mcfg, "eos_token_id")
         if eos_id is None:
             raise ValueError(f"cannot determine the EOS token for {path!r}: set eos_token in "
                              "tokenizer_config.json or eos_token_id in config.json")
-        bos_id = token_id("bos_token")
+        bos_id = _hf_token_id(tok, tcfg, "bos_token")
         if bos_id is None:
-            bos_id = config_id("bos_token_id")
+            bos_id = _hf_config_id(mcfg, "bos_token_id")
 
         # tokenizer.json's post-processor decides whether BOS is added (as in
         # transformers v5).  Without a post-processor, honour tokenizer_config's
@@ -397,8 +316,9 @@ class TextTokenizer:
             bos_token_id=bos_id,
             add_bos_token=add_bos,
             chat_template=chat_template,
-            unk_token_id=token_id("unk_token"),
-            pad_token_id=token_id("pad_token") if tcfg.get("pad_token") else config_id("pad_token_id"),
+            unk_token_id=_hf_token_id(tok, tcfg, "unk_token"),
+            pad_token_id=(_hf_token_id(tok, tcfg, "pad_token") if tcfg.get("pad_token")
+                          else _hf_config_id(mcfg, "pad_token_id")),
         )
 
     def save_hf_dir(self, path: str | os.PathLike[str]) -> None:
@@ -432,6 +352,75 @@ class TextTokenizer:
             os.remove(stale)
 
 
+def _gguf_bpe_metadata(reader: Any) -> tuple[list[str], list[int], list[str], str]:
+    """The GGUF's tokens, token types, merges and pre-tokenizer name, checked to describe a
+    byte-level BPE that `_bpe_tokenizer` rebuilds exactly."""
+    tok_model = _gguf_get(reader, "tokenizer.ggml.model")
+    tokens = _gguf_get(reader, "tokenizer.ggml.tokens")
+    if tok_model is None or tokens is None:
+        raise ValueError(
+            "GGUF file has no tokenizer metadata (tokenizer.ggml.model / tokenizer.ggml.tokens); "
+            "it cannot be used for text generation on its own. Re-convert it with a tokenizer "
+            "(llama.cpp convert_hf_to_gguf.py) or load the tokenizer from the original "
+            "Hugging Face directory with TextTokenizer.from_hf_dir()."
+        )
+    if tok_model != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {tok_model!r}: only byte-level BPE "
+            "(tokenizer.ggml.model = 'gpt2') is implemented. Load the tokenizer from the "
+            "model's Hugging Face directory with TextTokenizer.from_hf_dir() instead."
+        )
+    pre_name = _gguf_get(reader, "tokenizer.ggml.pre")
+    if pre_name not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre_name!r} (tokenizer.ggml.pre"
+            f"{'; missing means llama.cpp default' if pre_name is None else ''}); supported: "
+            f"{sorted(_PRE_TOKENIZERS)}. Load the tokenizer from the model's Hugging Face "
+            "directory with TextTokenizer.from_hf_dir() instead."
+        )
+    merges = _gguf_get(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError("GGUF tokenizer metadata has no tokenizer.ggml.merges, required for BPE; "
+                         "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+    token_types = _gguf_get(reader, "tokenizer.ggml.token_type")
+    if token_types is None:
+        token_types = [_TOKEN_TYPE_NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF tokenizer metadata is inconsistent: {len(tokens)} tokens but "
+                         f"{len(token_types)} token types")
+    return tokens, token_types, merges, pre_name
+
+
+def _bpe_tokenizer(tokens: list[str], token_types: list[int], merges_raw: list[str], pre_name: str) -> Tokenizer:
+    """The `tokenizers` pipeline of a GGUF's byte-level BPE (see `_gguf_bpe_metadata`)."""
+    vocab: dict[str, int] = {}
+    for i, piece in enumerate(tokens):
+        # A duplicated piece can never be produced by BPE; keep the first id.
+        vocab.setdefault(piece, i)
+    merges: list[tuple[str, str]] = []
+    for m in merges_raw:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges (expected 'left right')")
+        merges.append((parts[0], parts[1]))
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _PRE_TOKENIZERS[pre_name]()
+    tok.decoder = decoders.ByteLevel()
+    # CONTROL tokens (<|im_start|> ...) are special: matched as one piece in the
+    # input and dropped by decode(skip_special_tokens=True).  USER_DEFINED tokens
+    # are matched as one piece too but, as in llama.cpp, always rendered on decode.
+    added = []
+    for i, (piece, ttype) in enumerate(zip(tokens, token_types)):
+        if ttype in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) and vocab.get(piece) == i:
+            added.append(AddedToken(piece, special=ttype == _TOKEN_TYPE_CONTROL,
+                                    normalized=False, lstrip=False, rstrip=False,
+                                    single_word=False))
+    if added:
+        tok.add_tokens(added)  # all already in the vocab: ids unchanged
+    return tok
+
+
 def _bos_post_processor(tok: Tokenizer, bos_id: int | None) -> processors.PostProcessor:
     if bos_id is None:
         return processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
@@ -449,6 +438,27 @@ def _read_json(file: str) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {file!r}: {exc}") from exc
     return data if isinstance(data, dict) else {}
+
+
+def _hf_token_id(tok: Tokenizer, tcfg: Mapping[str, Any], key: str) -> int | None:
+    """The id of tokenizer_config.json's token `key` (e.g. "eos_token"), None when it names none."""
+    value = tcfg.get(key)
+    if isinstance(value, Mapping):  # serialized AddedToken
+        value = value.get("content")
+    if isinstance(value, str):
+        tid = tok.token_to_id(value)
+        if tid is None:
+            raise ValueError(f"tokenizer_config.json {key}={value!r} is not in the vocabulary")
+        return tid
+    return None
+
+
+def _hf_config_id(mcfg: Mapping[str, Any], key: str) -> int | None:
+    """config.json's token id `key` (e.g. "eos_token_id"), None when it has none."""
+    value = mcfg.get(key)
+    if isinstance(value, list):  # e.g. eos_token_id: [2, 0]; first is the main one
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
 
 
 def _read_chat_template(path: str, tcfg: Mapping[str, Any]) -> str | None:
