@@ -7,10 +7,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "charioteer.engine.llm",
     "LLMEngine": "charioteer.engine.llm_engine",
-    "EngineArgs": "charioteer.engine.llm_engine",
-    "SamplingParams": "charioteer.sampling_params",
-    "RequestOutput": "charioteer.outputs",
-    "CompletionOutput": "charioteer.outputs",
+    "EngineArgs": "charioteer.config",
+    "SamplingParams": "charioteer.request",
+    "RequestOutput": "charioteer.request",
+    "CompletionOutput": "charioteer.request",
 }
 __all__ = list(_EXPORTS)
 

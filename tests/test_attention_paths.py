@@ -1,23 +1,29 @@
 """Attention on contiguous cache rows (no copy) gives what the gathered-copy path gives."""
+import dataclasses
+
 import pytest
+import torch
 
 from charioteer import LLM, SamplingParams
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.memory.block_manager import BlockManager
 from charioteer.model import avx512, llama
+from charioteer.model.config import ModelConfig
 from charioteer.request import Request
 
 
 def _run(model, prompts, monkeypatch, min_bytes: int, fused: bool = False, **engine):
+    """Generate; also return the decode attention path of each batch with decodes."""
     monkeypatch.setattr(llama, "DECODE_IN_PLACE_MIN_BYTES", min_bytes)
     llm = LLM(model, max_num_seqs=4, **engine)
-    llm.engine.runner.model.fused_decode_attention = fused
-    calls = []
-    decide = llama.LlamaModel._decode_in_place
-    monkeypatch.setattr(llama.LlamaModel, "_decode_in_place",
-                        staticmethod(lambda inp, k: calls.append(decide(inp, k)) or calls[-1]))
+    model = llm.engine.runner.model
+    if not fused:  # the decode attention kernel, and the one-call layers built on it, off
+        model.kernels = dataclasses.replace(model.kernels, decode_attention=False, decode_layers=False)
+    paths = []
+    select = llama.select_paths
+    monkeypatch.setattr(llama, "select_paths", lambda *args, **kw: paths.append(select(*args, **kw)) or paths[-1])
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=1))
-    return outs, calls
+    return outs, [p.decode_attention for p in paths if p.decode_attention is not None]
 
 
 def _prompts():
@@ -41,8 +47,8 @@ def test_in_place_decode_matches_gathered(default_model, monkeypatch, kv_policy)
     in_place, used = _run(default_model, _prompts(), monkeypatch, 0, **engine)
     gathered, not_used = _run(default_model, _prompts(), monkeypatch, 1 << 60, **engine)
     if kv_policy == "reserve":
-        assert any(used), "reserved KV is one contiguous run per request: the in-place path must run"
-    assert not any(not_used)
+        assert "in_place" in used, "reserved KV is one contiguous run per request: the in-place path must run"
+    assert set(not_used) == {"gathered"}
     _assert_same(in_place, gathered)
 
 
@@ -51,7 +57,7 @@ def test_in_place_decode_matches_gathered(default_model, monkeypatch, kv_policy)
 def test_fused_decode_attention_matches_gathered(default_model, monkeypatch, kv_policy):
     engine = dict(chunk_size=24, kv_policy=kv_policy)
     fused, decided = _run(default_model, _prompts(), monkeypatch, 1 << 60, fused=True, **engine)
-    assert not decided, "the fused kernel serves every decode; the SDPA paths must not run"
+    assert set(decided) == {"kernel"}, "the fused kernel serves every decode; the SDPA paths must not run"
     gathered, _ = _run(default_model, _prompts(), monkeypatch, 1 << 60, **engine)
     _assert_same(fused, gathered)
 
@@ -74,7 +80,7 @@ def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_
     model.decode_layers = counting = _CountingRunner(model.decode_layers)
     one_call = llm.generate(_prompts(), params)
     assert counting.calls > 0, "decode-only steps must take the one-call path"
-    model.decode_layers = None
+    model.kernels = dataclasses.replace(model.kernels, decode_layers=False)
     op_by_op = llm.generate(_prompts(), params)
     for a, b in zip(one_call, op_by_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -96,7 +102,7 @@ def test_contiguous_start_only_for_consecutive_blocks():
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    from charioteer.sampling_params import SamplingParams
+    from charioteer.request import SamplingParams
 
     return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
 
@@ -136,3 +142,49 @@ def test_prefer_contiguous_blocks_after_mixed_frees():
     assert not tight.ensure(a, 12) and tight.num_free_blocks == 0
     tight.free(b)
     assert tight.ensure(a, 12) and tight.block_table(a) == [0, 1, 2]
+
+def _batch(num_prefills=0, num_decodes=0, lengths=True, runs=None) -> llama.ForwardInput:
+    none = torch.zeros(0, dtype=torch.long)
+    return llama.ForwardInput(
+        token_ids=none, positions=none, slot_mapping=none,
+        prefills=[llama.PrefillSpan(0, 1, 0, None, None)] * num_prefills, num_decodes=num_decodes,
+        decode_slots=None, decode_mask=None, logits_rows=none, decode_runs=runs,
+        decode_lengths=torch.ones(num_decodes, dtype=torch.long) if lengths else None)
+
+
+def test_select_paths_table(monkeypatch):
+    """Each row of select_paths' table, on any CPU: the choice is plain logic over the kernels and the batch."""
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    kv = llama.KVCache(config, 16, torch.device("cpu"))  # K and V of a position: 2 * 64 * 4 = 512 bytes
+    monkeypatch.setattr(llama, "DECODE_IN_PLACE_MIN_BYTES", 512 * 10)
+    on = llama.Kernels(panel_gemm=True, packed_gemm=True, row_ops=True, decode_attention=True, decode_layers=True)
+    off = dataclasses.replace(on, decode_attention=False, decode_layers=False)
+
+    def paths(kernels, batch, profiled=False):
+        p = llama.select_paths(kernels, batch, kv, profiled)
+        return p.decode_layers, p.decode_attention
+
+    assert paths(on, _batch(num_decodes=avx512.MAX_ROWS)) == (True, "kernel")
+    assert paths(on, _batch(num_decodes=avx512.MAX_ROWS + 1)) == (False, "kernel")
+    assert paths(on, _batch(num_decodes=4), profiled=True) == (False, "kernel")
+    assert paths(on, _batch(num_prefills=1, num_decodes=4)) == (False, "kernel")
+    assert paths(on, _batch(num_prefills=1)) == (False, None)
+    assert paths(on, _batch(num_decodes=4, lengths=False)) == (False, "gathered")
+    assert paths(on, _batch(num_decodes=2, lengths=False, runs=[(0, 10), (10, 10)])) == (False, "in_place")
+    assert paths(off, _batch(num_decodes=2, runs=[(0, 10), (10, 9)])) == (False, "gathered")  # mean 9.5 < 10
+    assert paths(off, _batch(num_decodes=2, runs=[(0, 10), (10, 10)])) == (False, "in_place")
+    assert paths(off, _batch(num_decodes=2)) == (False, "gathered")
+    with pytest.raises(ValueError, match="needs both"):
+        dataclasses.replace(off, decode_layers=True)
+
+
+def test_kernels_choose_off_the_cpu_and_by_switch(monkeypatch):
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    assert llama.Kernels.choose(config, torch.device("cuda")) == llama.Kernels(False, False, False, False, False)
+    cpu = llama.Kernels.choose(config, torch.device("cpu"))
+    assert cpu.panel_gemm == cpu.row_ops == cpu.decode_attention == cpu.decode_layers == avx512.available()
+    assert cpu.ops is (llama.Avx512RowOps if avx512.available() else llama.TorchRowOps)
+    monkeypatch.setenv("CHARIOTEER_PACKED_GEMM", "0")
+    assert not llama.Kernels.choose(config, torch.device("cpu")).packed_gemm

@@ -176,7 +176,7 @@ def test_argmax_rows_is_torch_argmax():
 
 
 def test_greedy_takes_any_layout():
-    from charioteer.model.sampler import greedy
+    from charioteer.engine.model_runner import greedy
 
     logits = torch.randn(50, 7)
     assert torch.equal(greedy(logits.T), logits.T.argmax(dim=-1))  # strided rows: torch's argmax

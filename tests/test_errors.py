@@ -2,7 +2,7 @@
 import pytest
 
 from charioteer import LLM, SamplingParams
-from charioteer.engine.llm_engine import EngineArgs
+from charioteer.config import EngineArgs
 from charioteer.model.loader import load_model
 
 

@@ -78,7 +78,7 @@ def test_e2e_policies_shape_their_batches(tiny_model):
 
 def test_e2e_and_decode_speedup_json_contracts(capsys):
     rc = main(["bench", "e2e", "--model", "synthetic:tiny", "--json", "--chunk-sizes", "16", "--pd-ratios", "2",
-               "--batch-size", "4", "--seq-len", "64", "--num-requests", "6"])
+               "--max-num-seqs", "4", "--seq-len", "64", "--num-requests", "6"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["roofline"]["peak_matmul_gflops"] > 0

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from charioteer import LLM, SamplingParams
-from charioteer.engine.llm_engine import EngineArgs
+from charioteer.config import EngineArgs
 from charioteer.model.loader import load_model
 from charioteer.pipeline.executor import PipelineError, split_layers
 from texts import prompt_ids

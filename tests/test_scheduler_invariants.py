@@ -29,8 +29,7 @@ from hypothesis import strategies as st
 
 from charioteer.config import SchedulerConfig
 from charioteer.memory.block_manager import BlockManager, cdiv
-from charioteer.request import Request, RequestStatus
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import Request, RequestStatus, SamplingParams
 from charioteer.scheduling import SCHEDULER_CLASSES, Batch, make_scheduler
 
 POLICIES = sorted(SCHEDULER_CLASSES)

@@ -15,7 +15,8 @@ import pytest
 import uvicorn
 
 from charioteer import LLM, SamplingParams
-from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.config import EngineArgs
+from charioteer.engine.llm_engine import LLMEngine
 from charioteer.serving.api import ServerConfig, build_app
 
 API_KEY = "sekret-key"

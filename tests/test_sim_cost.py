@@ -97,7 +97,7 @@ def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, caps
     from charioteer.cli import main
     from charioteer.sim.cost import ProfiledCostModel
     from charioteer.sim.specs import ClusterConfig, hardware_spec, model_shape
-    from charioteer.tune.chunk_size import TimingTable
+    from charioteer.scheduling.chunk_size import TimingTable
 
     table = TimingTable([10.0 + n for n in range(1, 65)], decode_only_ms=30.0, decode_attention_ms=2.0, batch_size=4,
                         num_layers=2, hidden_size=128, context_len=100)
@@ -114,7 +114,7 @@ def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, caps
     path.write_text(json.dumps(table.__dict__))
     rc = main(["simulate", "--model", "layers=4,hidden=128,ffn=352,heads=4,vocab=512", "--cost-table", str(path),
                "--scheduler", "sarathi", "--scheduler", "orca", "--pp", "2", "--num-requests", "40", "--min-len", "32",
-               "--max-len", "96", "--chunk-size", "32", "--batch-cap", "4", "--json", "--no-progress"])
+               "--max-len", "96", "--chunk-size", "32", "--max-num-seqs", "4", "--json", "--no-progress"])
     assert rc == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [r["scheduler"] for r in runs] == ["sarathi", "orca"] and all(r["completion_time_s"] > 0 for r in runs)

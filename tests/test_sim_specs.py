@@ -1,7 +1,8 @@
 """Simulator specs and memory planner: presets validate, and the paper's batch caps come out."""
 import pytest
 
-from charioteer.sim.memory import plan_memory, stage_layers
+from charioteer.parallel import layers_per_stage, split_layers
+from charioteer.sim.memory import plan_memory
 from charioteer.sim.specs import HARDWARE_PRESETS, MODEL_PRESETS, ClusterConfig, ModelShape, hardware_spec, model_shape
 
 GPT3 = MODEL_PRESETS["gpt3-175b"]
@@ -41,10 +42,25 @@ def test_memory_planner_scales_and_rejects():
 
 
 def test_stage_layers():
-    assert stage_layers(96, 8) == [12] * 8
-    assert stage_layers(10, 4) == [3, 3, 2, 2]
+    assert layers_per_stage(96, 8) == [12] * 8
+    assert layers_per_stage(10, 4) == [3, 3, 2, 2]
+    assert split_layers(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # the pipeline executor's split
     with pytest.raises(ValueError):
-        stage_layers(2, 4)
+        layers_per_stage(2, 4)
+    with pytest.raises(ValueError, match="pp"):
+        plan_memory(MODEL_PRESETS["llama-7b"], A100, ClusterConfig(pp=33, gpus_per_node=8), 2048)
+
+
+def test_one_kv_formula():
+    """The simulator's m_kv per device is the engine's formula over one stage's layers and one rank's KV heads."""
+    from charioteer.memory.block_manager import kv_bytes_per_token
+
+    llama70 = MODEL_PRESETS["llama2-70b"]
+    assert llama70.kv_bytes_per_token() == kv_bytes_per_token(80, 8, 128, 2)
+    assert llama70.kv_bytes_per_token(10, tp=4) == kv_bytes_per_token(10, 2, 128, 2)
+    assert llama70.kv_bytes_per_token(10, tp=16) == kv_bytes_per_token(10, 1, 128, 2)  # GQA heads replicated
+    plan = plan_memory(llama70, A100, ClusterConfig(tp=8, pp=2), 4096)
+    assert plan.kv_bytes_per_token_per_device == kv_bytes_per_token(40, 1, 128, 2)
 
 
 def test_presets_and_validation():

@@ -6,8 +6,8 @@ import pytest
 
 from charioteer.bench.experiments import find_steps
 from charioteer.cli import main
-from charioteer.tune.adaptive import AdaptiveChunkSize
-from charioteer.tune.chunk_size import TimingTable, predict_throughput, recommend_chunk_size
+from charioteer.scheduling.adaptive_chunk import AdaptiveChunkSize
+from charioteer.scheduling.chunk_size import TimingTable, predict_throughput, recommend_chunk_size
 
 
 def table(fn, max_rows=200, decode_only_ms=40.0, batch_size=16, attention_ms=0.2) -> TimingTable:
@@ -121,7 +121,7 @@ def test_auto_chunk_size_is_sarathi_only():
 def test_tune_cli_json_and_saved_table(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     saved = tmp_path / "table.json"
-    rc = main(["tune", "--model", "synthetic:tiny", "--pd-ratio", "10", "--max-seq-len", "64", "--batch-size", "4",
+    rc = main(["tune", "--model", "synthetic:tiny", "--pd-ratio", "10", "--max-seq-len", "64", "--max-num-seqs", "4",
                "--max-rows", "24", "--repeats", "1", "--json", "--save-table", str(saved)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -130,7 +130,7 @@ def test_tune_cli_json_and_saved_table(capsys, tmp_path, monkeypatch):
     assert (out["prompt_len"], out["decode_len"]) == (58, 6)
     trace = tmp_path / "trace.csv"
     trace.write_text("prompt_len,decode_len\n50,5\n70,15\n")
-    rc = main(["tune", "--model", "synthetic:tiny", "--trace", str(trace), "--batch-size", "4", "--max-rows", "24",
+    rc = main(["tune", "--model", "synthetic:tiny", "--trace", str(trace), "--max-num-seqs", "4", "--max-rows", "24",
                "--table", str(saved), "--json"])
     assert rc == 0
     again = json.loads(capsys.readouterr().out)
@@ -142,7 +142,7 @@ def test_tune_cli_json_and_saved_table(capsys, tmp_path, monkeypatch):
 def test_bench_adaptive_json(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     rc = main(["bench", "adaptive", "--model", "synthetic:tiny", "--pd-ratios", "8,1", "--chunk-sizes", "8,32",
-               "--batch-size", "4", "--seq-len", "48", "--num-requests", "8", "--tile-size", "8", "--json"])
+               "--max-num-seqs", "4", "--seq-len", "48", "--num-requests", "8", "--tile-size", "8", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["chunk_size"] for r in out["runs"]] == ["auto", 8, 32]

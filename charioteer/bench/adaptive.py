@@ -11,7 +11,11 @@ import gc
 import json
 import time
 
+from charioteer.bench import experiments as ex
+from charioteer.bench.common import (add_setup_args, float_list, format_table, int_list, load_setup, prepare_device,
+                                     progress_bar)
 from charioteer.bench.e2e import Workload, add_requests, engine_args
+from charioteer.config import add_setting_args
 from charioteer.engine.llm_engine import LLMEngine
 
 
@@ -61,17 +65,14 @@ def compare(loaded, static_chunks: list[int], phases: list[Workload], batch_size
 
 
 def cmd_bench_adaptive(args) -> int:
-    from charioteer.bench import experiments as ex
-    from charioteer.bench.paper_cli import _progress, _setup, _start, format_table
-
     pds = args.pd_ratios
     phases = [Workload(args.seq_len, pd, args.num_requests) for pd in pds]
-    roof = _start(args)
-    setup = _setup(args, roof)
-    with _progress(1 + len(args.chunk_sizes), "runs") as bar:
-        result = compare(setup.loaded, args.chunk_sizes, phases, args.batch_size, args.device, args.tile_size,
+    roof = prepare_device(args)
+    setup = load_setup(args, roof)
+    with progress_bar(1 + len(args.chunk_sizes), "runs") as bar:
+        result = compare(setup.loaded, args.chunk_sizes, phases, args.max_num_seqs, args.device, args.tile_size,
                          args.tune_table, bar)
-    result.update({"batch_size": args.batch_size, "seq_len": args.seq_len, "num_requests_per_phase": args.num_requests,
+    result.update({"batch_size": args.max_num_seqs, "seq_len": args.seq_len, "num_requests_per_phase": args.num_requests,
                    "pd_ratios": pds, "tile_size": args.tile_size, "roofline": roof, "model": setup.model.config.name,
                    "threads": ex.threads()})
     if args.json:
@@ -84,7 +85,7 @@ def cmd_bench_adaptive(args) -> int:
             row[f"phase{p['phase']}_tok_s"] = p["throughput_tok_s"]
         rows.append(row)
     cols = ["chunk_size", *[f"phase{k}_tok_s" for k in range(len(phases))], "overall_tok_s"]
-    print(f"P:D by phase: {', '.join(map(str, pds))}; L = {args.seq_len}, B = {args.batch_size}, "
+    print(f"P:D by phase: {', '.join(map(str, pds))}; L = {args.seq_len}, B = {args.max_num_seqs}, "
           f"{args.num_requests} requests per phase")
     print(format_table(rows, cols))
     print(format_table(result["phase_checks"], ["phase", "best_static_chunk", "auto_over_best", "within_5pct"]))
@@ -93,20 +94,19 @@ def cmd_bench_adaptive(args) -> int:
 
 
 def add_adaptive_bench(bench_sub) -> None:
-    from charioteer.bench.paper_cli import _add_common, _floats, _ints
-
     p = bench_sub.add_parser("adaptive", help="adaptive chunk size against static ones on a P:D that shifts",
                              description="Serve phases of requests with different P:D ratios on one engine, with "
                                          "chunk_size='auto' and with each static chunk size; report throughput per phase.")
-    _add_common(p)
-    p.add_argument("--pd-ratios", type=_floats, default=[50, 5], help="P:D of each phase (default: 50,5)")
-    p.add_argument("--chunk-sizes", type=_ints, default=[17, 33, 49, 113, 241],
+    add_setup_args(p)
+    p.add_argument("--pd-ratios", type=float_list, default=[50, 5], help="P:D of each phase (default: 50,5)")
+    p.add_argument("--chunk-sizes", type=int_list, default=[17, 33, 49, 113, 241],
                    help="static chunk sizes to compare (default: 17,33,49,113,241: C + 15 = 32..256 rows)")
-    p.add_argument("--batch-size", type=int, default=16, help="batch size B (default: 16)")
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default: 256)")
     p.add_argument("--num-requests", type=int, default=64, help="requests per phase (default: 64)")
-    p.add_argument("--tile-size", type=int, default=64,
-                   help="auto aligns C + B - 1 to this many rows (default: 64, this CPU's packed-GEMM step)")
-    p.add_argument("--tune-table", default=None, help="auto picks C from this `charioteer tune --save-table` table")
+    add_setting_args(p, ["max_num_seqs", "tile_size", "tune_table"], overrides={
+        "max_num_seqs": dict(default=16),
+        "tile_size": dict(default=64, help="auto aligns C + B - 1 to this many rows (default: 64, this CPU's "
+                                           "packed-GEMM step)"),
+        "tune_table": dict(help="auto picks C from this `charioteer tune --save-table` table (default: none)")})
     p.set_defaults(func=cmd_bench_adaptive)
 

@@ -18,9 +18,8 @@ from charioteer.engine.model_runner import ModelRunner
 from charioteer.memory.block_manager import BlockManager, cdiv
 from charioteer.model.config import ModelConfig
 from charioteer.model.llama import LlamaModel
-from charioteer.request import Request
-from charioteer.sampling_params import SamplingParams
-from charioteer.scheduling.batch import Batch, BatchEntry
+from charioteer.request import Request, SamplingParams
+from charioteer.scheduling.base import Batch, BatchEntry
 
 OPS = ("preproj", "attention", "postproj", "ffn")  # the paper's Table 2 columns; the rest is "other"
 
@@ -57,13 +56,8 @@ class BatchTiming:
     ops_s: dict[str, float] = field(default_factory=dict)  # OPS plus "other" (norms, RoPE, LM head, sampling)
     samples_s: list[float] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
-        return {"tokens": self.shape.num_tokens, "prefill_tokens": self.shape.num_prefill_tokens,
-                "decodes": len(self.shape.decodes), "total_ms": self.total_s * 1e3,
-                **{f"{op}_ms": t * 1e3 for op, t in self.ops_s.items()}}
 
-
-class _OpClock:
+class OpClock:
     """hooks(op_name, fn) for LlamaModel.forward: accumulates wall time per operation."""
 
     def __init__(self, device: torch.device) -> None:
@@ -114,7 +108,7 @@ class BatchTimer:
             self.blocks.free(entry.request)
 
     def run_once(self, batch: Batch) -> tuple[float, dict[str, float]]:
-        clock = _OpClock(self.model.device)
+        clock = OpClock(self.model.device)
         clock.sync()
         start = time.perf_counter()
         result = self.runner.execute(batch, hooks=clock)

@@ -13,6 +13,16 @@ import math
 import os
 import sys
 
+from charioteer.bench.adaptive import add_adaptive_bench
+from charioteer.bench.paper_cli import add_paper_benches
+from charioteer.bench.peers import add_peers_bench
+from charioteer.bench.pipeline import add_pipeline_bench
+from charioteer.bench.serve import ENGINE_FLAGS
+from charioteer.config import add_setting_args, check_settings
+
+# The engine settings a `bench serve|capacity` forwards to the `charioteer serve` it starts.
+SERVER_SETTINGS = [attr for attr, _ in ENGINE_FLAGS] + ["token_budget_mode"]
+
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmarks: the paper's experiments, roofline, serving latency and capacity",
@@ -53,20 +63,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                           "service time biases short probes low, so use enough --num-prompts)")
     cap.add_argument("--max-probes", type=int, default=12, help="probes at most (default: 12)")
     cap.set_defaults(func=cmd_bench_capacity)
-    __import__("charioteer.bench.pipeline", fromlist=["_"]).add_pipeline_bench(sub)  # bench pipeline
-
-    from charioteer.bench.adaptive import add_adaptive_bench
-    from charioteer.bench.paper_cli import add_paper_benches
-
+    add_pipeline_bench(sub)
     add_paper_benches(sub)
     add_adaptive_bench(sub)
-    __import__("charioteer.bench.peers", fromlist=["_"]).add_peers_bench(sub)
+    add_peers_bench(sub)
     return p
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from charioteer.cli import add_engine_args
-
     t = p.add_argument_group("target")
     t.add_argument("--url", default=None,
                    help="base URL of a running server (http://host:port); without it a `charioteer serve` "
@@ -112,7 +116,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="synthetic prompt token ids are drawn from [LO, HI) (default: 1000 20000)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_engine_args(p)
+    add_setting_args(p.add_argument_group("engine (of a server started here, without --url)"), SERVER_SETTINGS)
 
 
 def build_requests(args, n: int):
@@ -133,6 +137,8 @@ def build_requests(args, n: int):
 
 
 def _check(args) -> None:
+    if not args.url:
+        check_settings(args)  # of the server started here
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.burstiness > 0:
@@ -171,6 +177,47 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if m["successful_requests"] else 1
 
 
+def search_capacity(probe, args) -> tuple[float | None, float | None]:
+    """(highest passing, lowest failing) rate: bracket by doubling up from --start-rate while probes pass
+    (halving down while they fail), then bisect until within --rel-tol, in --max-probes at most."""
+    lo, hi, n = None, None, 0
+    rate = args.start_rate
+    while n < args.max_probes:
+        n += 1
+        if probe(rate):
+            lo = rate
+            if hi is not None or rate >= args.max_rate:
+                break
+            rate = min(rate * 2, args.max_rate)
+        else:
+            hi = rate
+            if lo is not None or rate <= args.min_rate:
+                break
+            rate = max(rate / 2, args.min_rate)
+    while lo is not None and hi is not None and (hi - lo) / hi > args.rel_tol and n < args.max_probes:
+        n += 1
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def format_capacity(result: dict) -> str:
+    lo, hi = result["capacity_rps"], result["upper_bound_rps"]
+    cap = "none (even --min-rate violates the SLO)" if lo is None else f"{lo:.3g} req/s"
+    if lo is not None and hi is None:
+        cap += " (--max-rate reached: capacity is at least this)"
+    ttft = result["slo_ttft_ms"]
+    lines = [f"capacity at p99 TBT <= {result['slo_tbt_ms']} ms"
+             + (f" and p99 TTFT <= {ttft} ms" if ttft is not None else "") + f": {cap}"]
+    for pr in result["probes"]:
+        lines.append(f"  {pr['rate']:>8.3g} req/s  p99 ITL {pr['p99_itl_ms']:8.1f} ms  p99 TTFT "
+                     f"{pr['p99_ttft_ms']:8.1f} ms  {'ok' if pr['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
 def cmd_bench_capacity(args: argparse.Namespace) -> int:
     from charioteer.bench.serve import server_for, served_model
 
@@ -200,39 +247,10 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
                       f" -> {'ok' if passed else 'violates SLO'}", file=sys.stderr)
             return passed
 
-        lo, hi = None, None  # highest passing, lowest failing rate
-        rate = args.start_rate
-        # Bracket: double up from the start rate while it passes, halve down while it fails.
-        while len(probes) < args.max_probes:
-            if probe(rate):
-                lo = rate
-                if hi is not None or rate >= args.max_rate:
-                    break
-                rate = min(rate * 2, args.max_rate)
-            else:
-                hi = rate
-                if lo is not None or rate <= args.min_rate:
-                    break
-                rate = max(rate / 2, args.min_rate)
-        while lo is not None and hi is not None and (hi - lo) / hi > args.rel_tol and len(probes) < args.max_probes:
-            mid = (lo + hi) / 2
-            if probe(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo, hi = search_capacity(probe, args)
     result = {"capacity_rps": lo, "upper_bound_rps": hi, "slo_tbt_ms": args.slo_tbt_ms,
               "slo_ttft_ms": args.slo_ttft_ms, "num_prompts": args.num_prompts, "burstiness": args.burstiness,
               "url": url, "model": model, "server_pid": pid, "probes": probes,
               "scheduler": None if args.url else args.scheduler, "chunk_size": None if args.url else args.chunk_size}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        cap = "none (even --min-rate violates the SLO)" if lo is None else f"{lo:.3g} req/s"
-        if lo is not None and hi is None:
-            cap += " (--max-rate reached: capacity is at least this)"
-        print(f"capacity at p99 TBT <= {args.slo_tbt_ms} ms"
-              + (f" and p99 TTFT <= {args.slo_ttft_ms} ms" if args.slo_ttft_ms is not None else "") + f": {cap}")
-        for pr in probes:
-            print(f"  {pr['rate']:>8.3g} req/s  p99 ITL {pr['p99_itl_ms']:8.1f} ms  p99 TTFT {pr['p99_ttft_ms']:8.1f} ms"
-                  f"  {'ok' if pr['passed'] else 'FAIL'}")
+    print(json.dumps(result) if args.json else format_capacity(result))
     return 0

@@ -20,12 +20,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from charioteer.bench.batch_timer import OPS, _OpClock
-from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+import torch
+
+from charioteer.bench.batch_timer import OPS, OpClock
+from charioteer.config import EngineArgs
+from charioteer.engine.llm_engine import LLMEngine
 from charioteer.memory.block_manager import cdiv
 from charioteer.model.loader import LoadedModel
-from charioteer.sampling_params import SamplingParams
-from charioteer.tune.chunk_size import split_for_pd
+from charioteer.request import SamplingParams
+from charioteer.scheduling.chunk_size import split_for_pd
 
 POLICIES = ("request-level", "orca-worst", "orca-best", "sarathi")
 BLOCK_SIZE = 16
@@ -82,41 +85,20 @@ def add_requests(engine: LLMEngine, workload: Workload, salt: int = 0) -> None:
         engine.add_request([(salt + 31 * i + 7 * j + 1) % vocab for j in range(workload.prompt_len)], params)
 
 
-class _TimedModel:
-    """Stands in for the engine's LlamaModel and times each operation of every forward pass."""
-
-    def __init__(self, model, clock: _OpClock) -> None:
-        self._model = model
-        self._clock = clock
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def forward(self, inp, kv, hooks=None):
-        return self._model.forward(inp, kv, self._clock)
-
-
 def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, workload: Workload,
             device: str = "cpu", op_breakdown: bool = False, tile_size: int | None = None) -> dict:
     """Run the workload to completion on a fresh engine; return throughput and batch statistics."""
     args = engine_args(policy, chunk_size, batch_size, workload, device, tile_size)
-    engine = LLMEngine(args, loaded=loaded)
-    clock = None
-    if op_breakdown:
-        clock = _OpClock(engine.model.device)
-        engine.runner.model = _TimedModel(engine.runner.model, clock)
+    clock = OpClock(torch.device(device)) if op_breakdown else None
+    engine = LLMEngine(args, loaded=loaded, op_hooks=clock)
     counts: dict[str, int] = defaultdict(int)
-    schedule = engine.scheduler.schedule
+    batch_kinds = {"mixed": "hybrid_batches", "prefill": "prefill_only_batches", "decode": "decode_only_batches"}
 
-    def counted_schedule():
-        batch = schedule()
-        if batch:
-            kind = "hybrid" if batch.prefills and batch.decodes else "prefill_only" if batch.prefills else "decode_only"
-            counts[kind + "_batches"] += 1
-            counts["decodes_with_prefill" if batch.prefills else "decodes_alone"] += batch.num_decode_tokens
-        return batch
+    def count(step) -> None:
+        counts[batch_kinds[step.kind]] += 1
+        counts["decodes_with_prefill" if step.num_prefill_tokens else "decodes_alone"] += step.num_decode_tokens
 
-    engine.scheduler.schedule = counted_schedule
+    engine.subscribe(count)
     add_requests(engine, workload)
     start = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -18,7 +18,6 @@ tokens/s counts generated tokens; MFU counts the model FLOPs of every prompt and
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -98,8 +97,9 @@ def workload_c(vocab_size: int, num_requests: int = 64, seed: int = 0) -> PeerWo
     prompts = [rng.integers(0, vocab_size, size=w.prompt_len).tolist() for _ in range(num_requests)]
 
     def kwargs(policy: str) -> dict:
-        args = engine_args(policy, C_CHUNK, BATCH_SIZE, w, "cpu")
-        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"}
+        kwargs = engine_args(policy, C_CHUNK, BATCH_SIZE, w, "cpu").to_kwargs()
+        kwargs.pop("model")
+        return kwargs
 
     # The paper's setup: KV reserved for exactly B requests of length L. Orca as a user runs it
     # (no token budget): the paper's worst case with all requests arriving at once.
@@ -276,7 +276,7 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 def cmd_bench_peers(args) -> int:
     from tqdm import tqdm
 
-    from charioteer.bench.paper_cli import format_table
+    from charioteer.bench.common import format_table
     from charioteer.bench.roofline import describe, roofline
 
     workloads = _choices(args.workloads, WORKLOADS, "--workloads")

@@ -1,6 +1,6 @@
 """`charioteer bench pipeline`: measured pipeline bubbles, Orca vs SARATHI, on real stage processes.
 
-One Zipf workload (charioteer.sim.workload) runs through the engine with --pipeline-parallel N
+One Zipf workload (charioteer.sim.workload) runs through the engine with --pipeline-parallel-size N
 (one thread per stage process) under each scheduler. Reported per run: completion time, the
 per-request bubble-time distribution (charioteer/pipeline/metrics.py defines it), stage busy and
 idle time, micro-batch shapes; across runs the median bubble ratio Orca / SARATHI. Then the
@@ -21,22 +21,23 @@ from charioteer.sim.cost import CostModel
 
 
 def add_pipeline_bench(sub) -> None:
+    from charioteer.config import add_setting_args
+
     p = sub.add_parser(
         "pipeline", help="pipeline bubbles measured on real stage processes: Orca vs SARATHI",
         description="Run one Zipf workload with the model split into N pipeline stages (one process and "
                     "one thread each) under each scheduler; report completion time, per-request bubble "
                     "time (median, percentiles, Orca/SARATHI ratio), stage idle fractions, a plot, and "
                     "the simulator's prediction from costs fitted to the measured stage times.")
-    p.add_argument("--model", default=None, help="model spec (default: smollm2-135m)")
-    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--pipeline-parallel", type=int, default=2, metavar="N", help="stages (default: 2)")
-    p.add_argument("--scheduler", action="append", default=None, choices=["orca", "sarathi", "vllm", "request-level"],
-                   help="scheduler to run (repeatable; default: orca and sarathi)")
-    p.add_argument("--chunk-size", type=int, default=128, help="SARATHI chunk size C (default: 128)")
-    p.add_argument("--micro-batch-cap", type=int, default=8,
-                   help="requests per micro-batch at most, the paper's batch size B (default: 8)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests running at once over all micro-batches (default: N * micro-batch cap)")
+    add_setting_args(p, ["model", "num_layers", "pipeline_parallel_size", "scheduler", "chunk_size", "micro_batch_cap",
+                         "max_num_seqs"], overrides={
+        "pipeline_parallel_size": dict(default=2, dest="pipeline_parallel", help="pipeline stages N, >= 2"),
+        "scheduler": dict(action="append", default=None, help="scheduler to run (repeatable; default: orca and sarathi)"),
+        "chunk_size": dict(type=int, default=128, help="SARATHI chunk size C"),
+        "micro_batch_cap": dict(default=8, help="requests per micro-batch at most, the paper's batch size B"),
+        "max_num_seqs": dict(default=None, help="requests running at once over all micro-batches "
+                                                "(default: N * --micro-batch-cap)"),
+    })
     p.add_argument("--num-requests", type=int, default=24, help="default: 24")
     p.add_argument("--min-len", type=int, default=64, help="shortest prompt+decode total (default: 64)")
     p.add_argument("--max-len", type=int, default=512, help="longest prompt+decode total (default: 512)")
@@ -157,6 +158,8 @@ def plot(result: dict, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from charioteer.sim.report import save_figure
+
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in result["runs"]:
@@ -171,10 +174,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
     ax.set_title(f"PP={result['pipeline_parallel']}, median ratio Orca/SARATHI = {ratio:.2f}" if ratio else "bubbles")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "bubble_cdf.png"), dpi=120)
-    plt.close(fig)
-    files.append("bubble_cdf.png")
+    files.append(save_figure(fig, out_dir, "bubble_cdf.png"))
 
     runs = result["runs"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), squeeze=False)
@@ -193,10 +193,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
         ax.set_xlim(0, window)
         ax.set_title(f"{run['scheduler']}: micro-batches on the stages (first {window:.0f} s; gaps = idle)")
     axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=120)
-    plt.close(fig)
-    files.append("timeline.png")
+    files.append(save_figure(fig, out_dir, "timeline.png"))
     return files
 
 
@@ -234,7 +231,7 @@ def cmd_bench_pipeline(args) -> int:
     from charioteer.sim.workload import WorkloadSpec, make_workload
 
     if args.pipeline_parallel < 2:
-        raise ValueError(f"--pipeline-parallel must be >= 2, got {args.pipeline_parallel}")
+        raise ValueError(f"--pipeline-parallel-size must be >= 2, got {args.pipeline_parallel}")
     torch.set_num_threads(1)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.pipeline_parallel * args.micro_batch_cap

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+from charioteer.config import EngineArgs
+from charioteer.engine.llm_engine import LLMEngine
 from charioteer.model.loader import LoadedModel
-from charioteer.outputs import RequestOutput
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

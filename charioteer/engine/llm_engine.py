@@ -2,68 +2,24 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 
-from charioteer.config import CacheConfig, SchedulerConfig
+from charioteer.config import EngineArgs
 from charioteer.engine.model_runner import ModelRunner
+from charioteer.engine.step_record import PipelineTiming, StageTiming, StepObserver, StepRecord, entry_records
 from charioteer.memory.block_manager import BlockManager, batch_capacity, kv_bytes_per_token
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
-from charioteer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from charioteer.request import Request, RequestStatus
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
 from charioteer.scheduling import make_scheduler
-from charioteer.scheduling.batch import Batch
-
-
-@dataclass
-class EngineArgs:
-    model: str | None = None  # see charioteer.model.loader.load_model
-    scheduler: str = "sarathi"
-    chunk_size: int | str = 256  # or "auto": follow recent requests' P:D (charioteer.tune.adaptive)
-    min_chunk_size: int = 16
-    max_chunk_size: int = 512
-    tune_table: str | None = None  # chunk_size="auto": table saved by `charioteer tune --save-table`
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None
-    tile_size: int | None = None
-    token_budget_mode: bool = False
-    kv_policy: str = "paged"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
-    max_model_len: int | None = None
-    num_layers: int | None = None  # keep only the first N layers (synthetic or real)
-    device: str = "cpu"
-    seed: int = 0  # synthetic weights
-    pipeline_parallel_size: int = 1  # N > 1: layers split into N stage processes (charioteer.pipeline)
-    # Pipeline: at most this many requests per micro-batch (the paper's per-micro-batch batch size;
-    # max_num_seqs still caps all running requests). None: a micro-batch takes every ready request,
-    # so e.g. Orca's first micro-batch may take all of them and leave the next ones empty.
-    micro_batch_cap: int | None = None
-
-    def __post_init__(self) -> None:
-        # Build the sub-configs now so bad values fail before any model is loaded.
-        self.scheduler_config = SchedulerConfig(
-            policy=self.scheduler, max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_size,
-            min_chunk_size=self.min_chunk_size, max_chunk_size=self.max_chunk_size, tune_table=self.tune_table,
-            max_num_batched_tokens=self.max_num_batched_tokens, tile_size=self.tile_size,
-            token_budget_mode=self.token_budget_mode,
-        )
-        self.cache_config = CacheConfig(
-            block_size=self.block_size, kv_policy=self.kv_policy, num_blocks=self.num_kv_blocks,
-            memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
-        )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
-        if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
-            raise ValueError(f"micro_batch_cap must be >= 1, got {self.micro_batch_cap}")
+from charioteer.scheduling.base import Batch
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, **kwargs) -> None:
+    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, op_hooks=None,
+                 **kwargs) -> None:
+        """`op_hooks`: a per-operation timer passed to every forward pass (charioteer.bench.batch_timer)."""
         self.args = args = args or EngineArgs(**kwargs)
         loaded = loaded or load_model(args.model, num_layers=args.num_layers, seed=args.seed)
         self.model_config = config = loaded.config
@@ -74,7 +30,7 @@ class LLMEngine:
         self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, 4)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
-        self.scheduler = make_scheduler(args.scheduler_config, self.blocks)
+        self.scheduler = make_scheduler(args.scheduler_config, self.blocks, self._holds_stop_string)
         # Pipeline parallelism: stage processes hold the weights and KV caches (each its layers'
         # share of the same number of KV blocks); this process keeps scheduling and sampling.
         self.executor = None
@@ -90,9 +46,18 @@ class LLMEngine:
             self.model = LlamaModel(config, loaded.state_dict, args.device)
             self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
+        self.op_hooks = op_hooks
+        self._observers: list[StepObserver] = []
+        self.pipeline_metrics = None  # per-stage busy/idle and per-request bubbles (charioteer.pipeline.metrics)
+        if self.executor is not None:
+            from charioteer.pipeline.metrics import PipelineMetrics
+
+            self.pipeline_metrics = PipelineMetrics(args.pipeline_parallel_size)
+            self.subscribe(self.pipeline_metrics.observe)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._streaming: dict[str, int] = {}  # request_id -> length of text already returned
+        self._decoded: dict[str, tuple[int, str]] = {}  # request_id -> (output tokens, their text)
         self.num_steps = 0
 
     # ---- reporting ----------------------------------------------------------------------
@@ -113,11 +78,6 @@ class LLMEngine:
             "max_num_seqs": self.args.max_num_seqs,
             "pipeline_parallel_size": self.args.pipeline_parallel_size,
         }
-
-    @property
-    def pipeline_metrics(self):
-        """Per-stage busy/idle and per-request bubble times (charioteer.pipeline.metrics); None without a pipeline."""
-        return self.executor.metrics if self.executor is not None else None
 
     def shutdown(self) -> None:
         """Stop the pipeline stage processes (no-op without a pipeline). The engine cannot step afterwards."""
@@ -143,8 +103,13 @@ class LLMEngine:
         return ids
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Validate a prompt and its parameters and build the Request, without queueing it."""
+                     request_id: str | None = None, *, prompt_text: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate a prompt and its parameters and build the Request, without queueing it.
+
+        `prompt_text`: the text behind token-id prompts (a chat template's output), for outputs.
+        `arrival_time`: when the request reached the server (time.monotonic()), if before now.
+        """
         params = params or SamplingParams()
         params.validate()
         token_ids = self.encode(prompt)
@@ -158,8 +123,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = self.model_config.eos_token_id
-        return Request(request_id, token_ids, params, eos_token_id=eos,
-                       prompt=prompt if isinstance(prompt, str) else None)
+        request = Request(request_id, token_ids, params, eos_token_id=eos,
+                          prompt=prompt if isinstance(prompt, str) else prompt_text)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        return request
 
     def add(self, request: Request, stream: bool = False) -> None:
         self.scheduler.add_request(request)
@@ -185,7 +153,15 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._streaming.pop(request.request_id, None)
+        self._decoded.pop(request.request_id, None)
         self.runner.sampler.forget(request.request_id)
+
+    # ---- observers ----------------------------------------------------------------------
+
+    def subscribe(self, observer: StepObserver) -> Callable[[], None]:
+        """Call `observer(record)` after every step; returns a function that unsubscribes it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -193,76 +169,68 @@ class LLMEngine:
         """Run one batch. Returns outputs of finished requests, and of streaming ones that advanced.
 
         With a pipeline: plan micro-batches until N are in flight, then wait for the oldest and
-        return the outputs of its requests.
+        return the outputs of its requests. Either way, observers get one StepRecord.
         """
+        t0, cpu0 = time.monotonic(), time.thread_time()
         if self.executor is not None:
-            return self._step_pipeline()
+            ran = self._run_pipeline()
+        else:
+            ran = self._run_local()
+        if ran is None:
+            return []
+        batch, result, schedule_s, timing = ran
+        execute_s = time.monotonic() - t0 - schedule_s
+        outputs, finished = self._finish_batch(batch, result)
+        self._publish(batch, finished, t0, cpu0, schedule_s, execute_s, timing)
+        return outputs
+
+    def _run_local(self):
+        t0 = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(
-                    f"scheduler {self.scheduler.name} planned an empty batch with "
-                    f"{self.scheduler.num_requests} requests pending; the KV cache is too small for them"
-                )
-            return []
-        result = self.runner.execute(batch)
-        return self._finish_batch(batch, result)
+            self._check_progress()
+            return None
+        schedule_s = time.monotonic() - t0
+        return batch, self.runner.execute(batch, self.op_hooks), schedule_s, None
 
-    def _step_pipeline(self) -> list[RequestOutput]:
+    def _run_pipeline(self):
         from charioteer.pipeline.executor import PipelineError
 
         executor = self.executor
+        t0 = time.monotonic()
         try:
             executor.check()
             while executor.num_in_flight < executor.num_stages:
-                batch = self._schedule_micro_batch()
+                batch = self.scheduler.schedule(self.args.micro_batch_cap)
                 if not batch:
                     break
                 executor.submit(batch, *self.runner.prepare(batch))
             if not executor.num_in_flight:
-                if self.scheduler.has_unfinished():
-                    raise RuntimeError(
-                        f"scheduler {self.scheduler.name} planned an empty batch with "
-                        f"{self.scheduler.num_requests} requests pending; the KV cache is too small for them"
-                    )
-                return []
+                self._check_progress()
+                return None
+            schedule_s = time.monotonic() - t0
             done = executor.wait_next()
         except PipelineError as exc:
             self._fail_all(str(exc))
             raise
-        result = self.runner.process(done.order, done.rows_per_entry, done.logits)
-        return self._finish_batch(done.batch, result)
+        timing = PipelineTiming(done.dispatch, done.returned, tuple(StageTiming(*t) for t in done.stage_times))
+        return done.batch, self.runner.process(done.order, done.rows_per_entry, done.logits), schedule_s, timing
 
-    def _schedule_micro_batch(self) -> Batch:
-        """Plan a micro-batch; with micro_batch_cap, show the scheduler at most that many requests
-        (ready running ones first, then waiting ones), the rest held back as if in flight."""
-        cap = self.args.micro_batch_cap
-        sched = self.scheduler
-        if cap is None:
-            return sched.schedule()
-        ready = [r for r in sched.running if not r.in_flight]
-        hidden = ready[cap:]
-        room = max(0, cap - len(ready))
-        held = [sched.waiting.pop() for _ in range(max(0, len(sched.waiting) - room))][::-1]
-        for r in hidden:
-            r.in_flight = True
-        try:
-            return sched.schedule()
-        finally:
-            for r in hidden:
-                r.in_flight = False
-            sched.waiting.extend(held)
+    def _check_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"scheduler {self.scheduler.name} planned an empty batch with "
+                f"{self.scheduler.num_requests} requests pending; the KV cache is too small for them"
+            )
 
     def _fail_all(self, reason: str) -> None:
         """The pipeline is gone: end every request (in flight or waiting) as aborted."""
-        for batch in self.executor.abandon():
-            for entry in batch.entries:
-                entry.request.in_flight = False
+        self.scheduler.release(self.executor.abandon())
         for request in list(self._requests.values()):
             self.scheduler.finish(request, "abort")
             self._forget(request)
 
-    def _finish_batch(self, batch: Batch, result) -> list[RequestOutput]:
+    def _finish_batch(self, batch: Batch, result) -> tuple[list[RequestOutput], list[str]]:
         self.num_steps += 1
         for request_id, (first, logprobs) in result.prompt_logprobs.items():
             known = self._requests[request_id].prompt_logprobs
@@ -271,27 +239,54 @@ class LLMEngine:
             known.extend(logprobs[len(known) - first:])
         for request_id, logprobs in result.logprobs.items():
             self._requests[request_id].output_logprobs.append(logprobs)
-        self.scheduler.on_batch_done(batch, result.tokens)
-        return self._collect(batch)
+        finished = [r.request_id for r in self.scheduler.on_batch_done(batch, result.tokens)]
+        return self._collect(batch), finished
+
+    def _publish(self, batch: Batch, finished: list[str], t0: float, cpu0: float, schedule_s: float,
+                 execute_s: float, timing: PipelineTiming | None) -> None:
+        if not self._observers:
+            return
+        blocks, sched = self.blocks, self.scheduler
+        record = StepRecord(
+            index=self.num_steps - 1, entries=entry_records(batch),
+            preempted=tuple(r.request_id for r in batch.preempted), finished=tuple(finished),
+            start_time=t0, schedule_s=schedule_s, execute_s=execute_s, duration_s=time.monotonic() - t0,
+            cpu_s=time.thread_time() - cpu0, kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            kv_blocks_total=blocks.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting),
+            token_budget=sched.token_budget, pipeline=timing,
+        )
+        for observer in list(self._observers):
+            observer(record)
+
+    def _text(self, request: Request) -> str:
+        """The output decoded once per new token (the stop-string check and _collect share it)."""
+        if self.tokenizer is None:
+            return ""
+        n = request.num_output_tokens
+        cached = self._decoded.get(request.request_id)
+        if cached is None or cached[0] != n:
+            cached = self._decoded[request.request_id] = (n, self.tokenizer.decode(request.output_token_ids))
+        return cached[1]
+
+    def _holds_stop_string(self, request: Request) -> bool:
+        text = self._text(request)
+        return any(stop in text for stop in request.params.stop)
 
     def _collect(self, batch: Batch) -> list[RequestOutput]:
+        """Outputs for the requests of `batch` that finished or stream."""
         outputs = []
         for entry in batch.entries:
             request = entry.request
+            streaming = request.request_id in self._streaming
             if not entry.samples or request.request_id not in self._requests:
                 continue
-            stops = request.params.stop
-            # Stop strings need text; a request that just stopped on EOS may also hold one.
-            check_stop = bool(stops) and (request.status is RequestStatus.RUNNING or request.finish_reason == "stop")
-            if not (check_stop or request.is_finished or request.request_id in self._streaming):
+            if not (request.is_finished or streaming):
                 continue
-            text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0] if check_stop else []
-            if hits:
-                text = text[: min(hits)]
-                self.scheduler.finish(request, "stop")  # no-op if it already finished
-            if request.is_finished or request.request_id in self._streaming:
-                outputs.append(self._output(request, text))
+            text = self._text(request)
+            if request.params.stop and request.finish_reason == "stop":
+                hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
+                text = text[: min(hits)] if hits else text
+            outputs.append(self._output(request, text))
             if request.is_finished:
                 self._forget(request)
         return outputs

@@ -154,16 +154,15 @@ class BlockManager:
         else:
             self._free.extend(reversed(table))
 
-    def slot(self, request: Request, position: int) -> int:
-        table = self._tables[request.request_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
 
+# The paper's memory arithmetic (section 4.3.1), shared by the engine, `charioteer tune` and the
+# simulator's memory planner (per device: pass one stage's layers and one TP rank's KV heads).
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """m_kv in the paper: bytes of K and V for one token across all layers."""
+    """m_kv in the paper: bytes of K and V for one token across `num_layers` layers."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
 def batch_capacity(memory_bytes: int, weight_bytes: int, max_seq_len: int, kv_token_bytes: int) -> int:
-    """The paper's section 4.3.1: B = floor((M_G - M_S) / (L * m_kv))."""
+    """The paper's section 4.3.1: B = floor((M_G - M_S) / (L * m_kv)), requests of length L whose KV fits."""
     return max(0, (memory_bytes - weight_bytes) // (max_seq_len * kv_token_bytes))

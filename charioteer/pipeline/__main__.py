@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node N+1 -m charioteer.pipeline <charioteer command> --pipeline-parallel N ...`
+"""`torchrun --nproc-per-node N+1 -m charioteer.pipeline <charioteer command> --pipeline-parallel-size N ...`
 
 Every rank runs this module: rank 0 runs the `charioteer` command (the driver: engine, scheduler,
 sampling), ranks 1..N run pipeline stages, which get their setup from the driver and load the

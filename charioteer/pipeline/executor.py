@@ -26,27 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from charioteer.parallel import split_layers
 from charioteer.pipeline import transport as tp
-from charioteer.pipeline.metrics import PipelineMetrics
 
 POLL_S = 0.25
 
 
 class PipelineError(RuntimeError):
     """A pipeline stage died or could not start; the pipeline is shut down."""
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, as even as possible (earlier stages take the remainder)."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"pipeline_parallel_size must be between 1 and the model's {num_layers} layers, got {num_stages}")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        end = start + base + (s < extra)
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 def use_env_rendezvous() -> bool:
@@ -72,6 +59,9 @@ class Done:
     order: list
     rows_per_entry: list
     logits: torch.Tensor
+    dispatch: float  # time.time() when the plan was sent
+    returned: float  # time.time() when the logits arrived
+    stage_times: list[tuple[float, float, float]]  # (wait_begin, start, end) per stage
 
 
 @contextmanager
@@ -125,7 +115,6 @@ class PipelineExecutor:
         self.num_stages = num_stages
         self.layer_ranges = split_layers(config.num_layers, num_stages)
         self.vocab_size = config.vocab_size
-        self.metrics = PipelineMetrics(num_stages)
         self.procs: list = []
         self.error: str | None = None
         self._in_flight: deque[InFlight] = deque()
@@ -278,18 +267,14 @@ class PipelineExecutor:
         return times, logits, time.time()
 
     def wait_next(self) -> Done:
-        """Wait for the oldest micro-batch in flight; record its timings."""
+        """Wait for the oldest micro-batch in flight; returns it with its stages' timings."""
         self.check()
         mb = self._in_flight[0]
         times, logits, returned = self._wait(mb.future, f"running micro-batch {mb.index}")
         self._in_flight.popleft()
         tp.wait_all(mb.sends)  # every stage has its plan by now
-        t = times.view(self.num_stages, 3).tolist()
-        self.metrics.record(
-            [e.request.request_id for e in mb.batch.entries],
-            [(e.num_tokens, e.start, e.is_prefill) for e in mb.batch.entries],
-            mb.dispatch, returned, [tuple(row) for row in t])
-        return Done(mb.batch, mb.order, mb.rows_per_entry, logits)
+        stage_times = [tuple(row) for row in times.view(self.num_stages, 3).tolist()]
+        return Done(mb.batch, mb.order, mb.rows_per_entry, logits, mb.dispatch, returned, stage_times)
 
     # ---- shutdown ---------------------------------------------------------------------------
 

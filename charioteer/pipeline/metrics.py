@@ -70,6 +70,13 @@ class PipelineMetrics:
         self.stage_idle_s = [0.0] * self.num_stages
         self._stage_seen = [False] * self.num_stages
 
+    def observe(self, step) -> None:
+        """A step observer (LLMEngine.subscribe): account the micro-batch a pipeline step returned."""
+        if step.pipeline is not None:
+            t = step.pipeline
+            self.record(step.request_ids, step.plan, t.dispatch, t.returned,
+                        [(s.wait_begin, s.start, s.end) for s in t.stages])
+
     def record(self, request_ids: list[str], plan, dispatch: float, returned: float,
                stages: list[tuple[float, float, float]]) -> MicroBatchRecord:
         rec = MicroBatchRecord(len(self.records), request_ids, plan, dispatch, returned, stages)

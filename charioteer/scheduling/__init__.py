@@ -1,8 +1,7 @@
 """Scheduling policies over one Batch contract."""
 from charioteer.config import SchedulerConfig
 from charioteer.memory.block_manager import BlockManager
-from charioteer.scheduling.base import Scheduler
-from charioteer.scheduling.batch import Batch, BatchEntry
+from charioteer.scheduling.base import Batch, BatchEntry, Scheduler
 from charioteer.scheduling.orca import OrcaScheduler
 from charioteer.scheduling.request_level import RequestLevelScheduler
 from charioteer.scheduling.sarathi import SarathiScheduler
@@ -13,8 +12,8 @@ SCHEDULER_CLASSES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
-    return SCHEDULER_CLASSES[config.policy](config, block_manager)
+def make_scheduler(config: SchedulerConfig, block_manager: BlockManager, holds_stop_string=None) -> Scheduler:
+    return SCHEDULER_CLASSES[config.policy](config, block_manager, holds_stop_string)
 
 
 __all__ = ["Batch", "BatchEntry", "Scheduler", "SCHEDULER_CLASSES", "make_scheduler"]

@@ -1,4 +1,9 @@
-"""What every scheduling policy shares: queues, admission, preemption and the state update.
+"""The Batch plan, the one contract between schedulers and executors, and what every scheduling
+policy shares: queues, admission, preemption and the state update.
+
+A batch is a flat list of tokens. For each request in it, an entry says which slice of the
+request's tokens runs now: a prompt chunk (or a whole prompt) or one decode token. The real model,
+the pipeline stages and the simulator's cost model all carry out this plan.
 
 A policy only decides what goes in the next batch (`_schedule`). Updating request state when a
 batch returns (`on_batch_done`) is the same for all of them, and so is preemption by recompute:
@@ -13,20 +18,81 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from charioteer.config import SchedulerConfig
 from charioteer.memory.block_manager import BlockManager
 from charioteer.request import Request, RequestStatus
-from charioteer.scheduling.batch import Batch
+
+# What a cost model needs of one entry: (num_tokens, start, is_prefill). A plain tuple: the
+# simulator builds millions of them.
+PlanRow = tuple[int, int, bool]
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    request: Request
+    start: int  # index of the first token run now; tokens [0, start) are already in the KV cache
+    num_tokens: int
+    is_prefill: bool
+    samples: bool  # whether its last position yields a new token (it reaches the request's last token)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class Batch:
+    entries: list[BatchEntry] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # requests preempted while planning it
+
+    def add(self, request: Request, num_tokens: int) -> BatchEntry:
+        start = request.num_computed_tokens
+        entry = BatchEntry(request, start, num_tokens, request.in_prefill, start + num_tokens == request.num_tokens)
+        self.entries.append(entry)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def prefills(self) -> list[BatchEntry]:
+        return [e for e in self.entries if e.is_prefill]
+
+    @property
+    def decodes(self) -> list[BatchEntry]:
+        return [e for e in self.entries if not e.is_prefill]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for e in self.entries if not e.is_prefill)
+
+    def plan(self) -> list[PlanRow]:
+        return [(e.num_tokens, e.start, e.is_prefill) for e in self.entries]
 
 
 class Scheduler(ABC):
     name: str = ""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 holds_stop_string: Callable[[Request], bool] | None = None) -> None:
+        """`holds_stop_string(request)`: whether its output text holds a stop string (needs a tokenizer)."""
         self.config = config
         self.blocks = block_manager
+        self.holds_stop_string = holds_stop_string
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: newest last
         self.num_preemptions = 0
@@ -46,6 +112,11 @@ class Scheduler(ABC):
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens the policy plans a batch with (SARATHI's chunk size), None where it has no budget."""
+        return self.config.max_num_batched_tokens
 
     @property
     def num_requests(self) -> int:
@@ -142,12 +213,40 @@ class Scheduler(ABC):
     def _schedule(self) -> Batch:
         """The policy: plan the next batch from the current state, reserving its KV slots."""
 
-    def schedule(self) -> Batch:
-        """Plan the next batch; its requests stay in flight until on_batch_done."""
-        batch = self._schedule()
+    def schedule(self, max_requests: int | None = None) -> Batch:
+        """Plan the next batch; its requests stay in flight until on_batch_done.
+
+        `max_requests` caps one micro-batch (the paper's per-micro-batch batch size under
+        pipeline parallelism): the policy sees only that many ready running requests, oldest
+        first, and only as many waiting ones as there is room left.
+        """
+        if max_requests is None:
+            batch = self._schedule()
+        else:
+            batch = self._schedule_capped(max_requests)
         for entry in batch.entries:
             entry.request.in_flight = True
         return batch
+
+    def _schedule_capped(self, max_requests: int) -> Batch:
+        ready = self._ready()
+        hidden = ready[max_requests:]
+        room = max(0, max_requests - len(ready))
+        held = [self.waiting.pop() for _ in range(max(0, len(self.waiting) - room))][::-1]
+        for r in hidden:
+            r.in_flight = True
+        try:
+            return self._schedule()
+        finally:
+            for r in hidden:
+                r.in_flight = False
+            self.waiting.extend(held)
+
+    def release(self, batches: list[Batch]) -> None:
+        """Batches that will never return (their executor failed): their requests leave flight."""
+        for batch in batches:
+            for entry in batch.entries:
+                entry.request.in_flight = False
 
     def on_batch_done(self, batch: Batch, sampled: Mapping[str, int]) -> list[Request]:
         """Advance every request in `batch`; `sampled` maps request_id to its new token.
@@ -164,7 +263,7 @@ class Scheduler(ABC):
                 continue
             request.num_computed_tokens = entry.end
             if entry.samples:
-                request.append_output_token(sampled[request.request_id], now)
+                request.append_output_token(sampled[request.request_id], now, self.holds_stop_string)
                 if request.finish_reason is not None:
                     self.finish(request, request.finish_reason)
                     finished.append(request)

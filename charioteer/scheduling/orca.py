@@ -5,8 +5,7 @@ waiting prompts, whole, as the batch cap, the token budget and memory allow.
 """
 from __future__ import annotations
 
-from charioteer.scheduling.base import Scheduler
-from charioteer.scheduling.batch import Batch
+from charioteer.scheduling.base import Batch, Scheduler
 
 
 class OrcaScheduler(Scheduler):

@@ -5,7 +5,7 @@ only then admit the next batch. Finished requests leave early (no padding work i
 """
 from __future__ import annotations
 
-from charioteer.scheduling.batch import Batch
+from charioteer.scheduling.base import Batch
 from charioteer.scheduling.orca import OrcaScheduler
 
 

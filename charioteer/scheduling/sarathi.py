@@ -10,18 +10,17 @@ budget with chunks, possibly from several prompts.
 from __future__ import annotations
 
 from charioteer.request import Request
-from charioteer.scheduling.base import Scheduler
-from charioteer.scheduling.batch import Batch
+from charioteer.scheduling.base import Batch, Scheduler
 
 
 class SarathiScheduler(Scheduler):
     name = "sarathi"
 
-    def __init__(self, config, block_manager) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, config, block_manager, holds_stop_string=None) -> None:
+        super().__init__(config, block_manager, holds_stop_string)
         self.adaptive = None
         if config.chunk_size == "auto":
-            from charioteer.tune.adaptive import AdaptiveChunkSize
+            from charioteer.scheduling.adaptive_chunk import AdaptiveChunkSize
 
             kwargs = dict(batch_size=config.max_num_seqs, min_chunk=config.min_chunk_size,
                           max_chunk=config.max_chunk_size, tile_size=config.tile_size)
@@ -31,6 +30,10 @@ class SarathiScheduler(Scheduler):
     @property
     def chunk_size(self) -> int:
         return self.adaptive.chunk_size if self.adaptive else self.config.chunk_size
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.config.max_num_batched_tokens if self.config.token_budget_mode else self.chunk_size
 
     def on_batch_done(self, batch, sampled):
         finished = super().on_batch_done(batch, sampled)

@@ -5,7 +5,7 @@ a decode-only batch of every running request.
 """
 from __future__ import annotations
 
-from charioteer.scheduling.batch import Batch
+from charioteer.scheduling.base import Batch
 from charioteer.scheduling.orca import OrcaScheduler
 
 

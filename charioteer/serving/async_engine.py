@@ -16,9 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from charioteer.engine.llm_engine import LLMEngine
-from charioteer.outputs import RequestOutput
-from charioteer.request import Request
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import Request, RequestOutput, SamplingParams
 from charioteer.serving.metrics import ServerMetrics
 
 log = logging.getLogger("charioteer.serving")
@@ -117,20 +115,9 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._preemptions_seen = engine.scheduler.num_preemptions
-        self._batch_tokens = 0
         self.num_steps = 0
         self.error: BaseException | None = None  # set if the engine thread itself died
-        # Tokens per iteration: LLMEngine.step() does not expose the batch it ran, so wrap this
-        # engine instance's scheduler.schedule to see it (no engine code changes).
-        schedule = engine.scheduler.schedule
-
-        def schedule_and_count():
-            batch = schedule()
-            self._batch_tokens = batch.num_tokens
-            return batch
-
-        engine.scheduler.schedule = schedule_and_count
+        engine.subscribe(self._observe_step)
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
 
@@ -204,7 +191,6 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     continue
                 self._step()
-                self._update_gauges()
         except BaseException as exc:  # pragma: no cover - a bug; /health reports it
             log.exception("engine thread died")
             self.error = exc
@@ -239,9 +225,8 @@ class AsyncEngine:
                 ids = engine.encode(sub.prompt)
             if sub.auto_max_tokens:
                 sub.params.max_tokens = max(1, engine.max_model_len - len(ids))
-            request = engine.make_request(ids, sub.params, request_id=stream.request_id)
-            request.prompt = text
-            request.arrival_time = sub.arrival_time
+            request = engine.make_request(ids, sub.params, request_id=stream.request_id, prompt_text=text,
+                                          arrival_time=sub.arrival_time)
             engine.add(request, stream=True)
         except ValueError as exc:
             self._deliver(stream, exc)
@@ -268,8 +253,6 @@ class AsyncEngine:
                 self._deliver(live.stream, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
             self._live.clear()
             return
-        self.num_steps += 1
-        self.metrics.iteration_tokens.observe(self._batch_tokens)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -312,13 +295,21 @@ class AsyncEngine:
         end = request.finish_time or time.monotonic()
         m.e2e.observe(max(0.0, end - request.arrival_time))
 
+    def _observe_step(self, step) -> None:
+        """Step observer (engine thread): per-iteration metrics from the engine's step record."""
+        self.num_steps += 1
+        m = self.metrics
+        m.iteration_tokens.observe(step.num_tokens)
+        if step.preempted:
+            m.preemptions.inc(len(step.preempted))
+        m.running.set(step.num_running)
+        m.waiting.set(step.num_waiting)
+        m.kv_usage.set(step.kv_blocks_used / step.kv_blocks_total)
+
     def _update_gauges(self) -> None:
+        """Between steps (an add or abort changed the queues): the gauges from the engine's state."""
         scheduler = self.engine.scheduler
         m = self.metrics
         m.running.set(len(scheduler.running))
         m.waiting.set(len(scheduler.waiting))
         m.kv_usage.set(self.engine.blocks.usage)
-        new = scheduler.num_preemptions - self._preemptions_seen
-        if new > 0:
-            m.preemptions.inc(new)
-            self._preemptions_seen = scheduler.num_preemptions

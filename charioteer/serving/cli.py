@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from charioteer.config import EngineArgs, add_setting_args
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from charioteer.cli import add_engine_args
-
     p = subparsers.add_parser(
         "serve", help="run an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
         description="Serve the model over HTTP with OpenAI's API: POST /v1/completions, "
@@ -26,26 +26,25 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "model's own name is accepted too)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(p)
+    add_setting_args(p.add_argument_group("engine"))
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from charioteer.cli import engine_kwargs
-    from charioteer.engine.llm_engine import EngineArgs, LLMEngine
-    from charioteer.serving.api import ServerConfig, build_app
-
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    engine_args = EngineArgs.from_args(args)  # bad settings fail before the model loads
+    import uvicorn
     from prometheus_client import disable_created_metrics
 
+    from charioteer.engine.llm_engine import LLMEngine
+    from charioteer.serving.api import ServerConfig, build_app
+
     disable_created_metrics()  # no `*_created` series next to every counter and histogram
-    engine = LLMEngine(EngineArgs(**engine_kwargs(args)))
+    engine = LLMEngine(engine_args)
     # Clients name the model as it was given to --model (smollm2-135m by default); the model's
     # own name (GGUF general.name) is accepted too.
     name = args.served_model_name or args.model or "smollm2-135m"

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API, their validation, and OpenAI-style errors.
+"""The OpenAI-compatible API's bodies: requests and their validation, responses, and errors.
 
 Bodies are parsed strictly: wrong types are rejected rather than coerced ("10" is not an
 integer), unknown fields are rejected (a misspelt `max_token` would otherwise be silently
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+import time
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import SamplingParams
+
+if TYPE_CHECKING:
+    from charioteer.serving.async_engine import Delta
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -261,3 +265,120 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     if all(not m["content"] for m in out):
         raise bad_request("messages are all empty: give some text", param="messages")
     return out
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def usage(last: Delta) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens}
+
+
+def completion_logprobs(deltas: list[Delta], offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for d in deltas:
+        for lp in d.logprobs or []:
+            tokens.append(lp.token)
+            token_lps.append(lp.logprob)
+            tops.append({t: v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(lp.token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(deltas: list[Delta]) -> dict:
+    content = []
+    for d in deltas:
+        for lp in d.logprobs or []:
+            content.append({"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                             for t, v in lp.top]})
+    return {"content": content}
+
+
+class Reply:
+    """The response bodies of one request: the whole answer, or the chunks of its stream."""
+
+    object: str  # of the whole answer
+    chunk_object: str
+    usage_first = False  # whether `usage` precedes `choices` in a chunk (chat's order, kept as it was)
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id = request_id
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage  # stream_options.include_usage
+
+    def choice(self, deltas: list[Delta]) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, delta: Delta) -> dict:
+        raise NotImplementedError
+
+    def answer(self, deltas: list[Delta]) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [self.choice(deltas)], "usage": usage(deltas[-1])}
+
+    def head_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, delta: Delta) -> dict:
+        return self._chunk([self.delta_choice(delta)])
+
+    def final_chunks(self, last: Delta) -> list[dict]:
+        return [self._chunk([], usage(last))] if self.include_usage else []
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
+        if not self.include_usage:
+            body["choices"] = choices
+        elif self.usage_first:
+            body.update(usage=usage, choices=choices)
+        else:
+            body.update(choices=choices, usage=usage)
+        return body
+
+
+class CompletionReply(Reply):
+    object = chunk_object = "text_completion"
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: int | None) -> None:
+        super().__init__(request_id, model, include_usage)
+        self.logprobs = logprobs
+        self.offset = 0  # of the next streamed chunk's text: its logprobs' text_offset starts there
+
+    def choice(self, deltas: list[Delta], offset: int = 0) -> dict:
+        last = deltas[-1]
+        return {"index": 0, "text": "".join(d.text for d in deltas),
+                "logprobs": None if self.logprobs is None else completion_logprobs(deltas, offset),
+                "finish_reason": last.finish_reason if last.finished else None}
+
+    def delta_choice(self, delta: Delta) -> dict:
+        choice = self.choice([delta], self.offset)
+        self.offset += len(delta.text)
+        return choice
+
+
+class ChatReply(Reply):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    usage_first = True
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: bool) -> None:
+        super().__init__(request_id, model, include_usage)
+        self.logprobs = logprobs
+
+    def choice(self, deltas: list[Delta]) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "logprobs": chat_logprobs(deltas) if self.logprobs else None,
+                "finish_reason": deltas[-1].finish_reason}
+
+    def head_chunks(self) -> list[dict]:
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])]
+
+    def delta_choice(self, delta: Delta) -> dict:
+        return {"index": 0, "delta": {"content": delta.text} if delta.text or not delta.finished else {},
+                "logprobs": chat_logprobs([delta]) if self.logprobs else None,
+                "finish_reason": delta.finish_reason if delta.finished else None}

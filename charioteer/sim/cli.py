@@ -7,12 +7,15 @@ import json
 import sys
 import time
 
-from charioteer.config import SCHEDULERS
+from charioteer.config import SchedulerConfig, add_setting_args, setting_default
 from charioteer.sim.specs import (DISPATCH_POLICIES, HARDWARE_PRESETS, MODEL_PRESETS, PP_SCHEDULING, ClusterConfig,
                                   hardware_spec, model_shape)
 from charioteer.sim.workload import ARRIVAL_KINDS, LENGTH_KINDS, WorkloadSpec
 
 PRESETS = ("paper-fig12",)
+# --validate runs the real engine on this CPU, so it uses a smaller chunk and batch cap than a
+# simulated GPU cluster; an explicit --chunk-size / --max-num-seqs overrides these.
+VALIDATE_DEFAULTS = {"chunk_size": 64, "max_num_seqs": 8}
 
 
 def add_simulate_parser(sub) -> argparse.ArgumentParser:
@@ -29,7 +32,7 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "how the completion times and ratios move (about 4 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
-                        "completion time against a fresh real run (uses --scheduler, --batch-cap, --chunk-size)")
+                        "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")
     g = p.add_argument_group("deployment")
     g.add_argument("--model", default="llama-13b", help=f"{', '.join(MODEL_PRESETS)}, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'")
     g.add_argument("--hardware", default="a100-80gb", choices=sorted(HARDWARE_PRESETS))
@@ -46,13 +49,15 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--dispatch", choices=DISPATCH_POLICIES, default="round-robin")
     g.add_argument("--pp-scheduling", choices=PP_SCHEDULING, default="virtual-engines")
     g = p.add_argument_group("scheduler")
-    g.add_argument("--scheduler", action="append", choices=SCHEDULERS,
-                   help="scheduler(s) to compare (repeatable; default sarathi)")
-    g.add_argument("--chunk-size", type=int, default=256)
-    g.add_argument("--batch-cap", type=int, default=None, help="default: from the memory planner")
+    # Unset (None) --chunk-size and --max-num-seqs mean this command's defaults, resolved in scheduler_values.
+    add_setting_args(g, ["scheduler", "chunk_size", "max_num_seqs", "tile_size", "max_num_batched_tokens"], overrides={
+        "scheduler": dict(action="append", default=None, help="scheduler(s) to compare (repeatable; default: sarathi)"),
+        "chunk_size": dict(type=int, default=None, help=f"SARATHI chunk size C (default: "
+                           f"{setting_default('chunk_size')}; {VALIDATE_DEFAULTS['chunk_size']} with --validate)"),
+        "max_num_seqs": dict(default=None, help=f"the batch cap B (default: from the memory planner; "
+                             f"{VALIDATE_DEFAULTS['max_num_seqs']} with --validate)"),
+    })
     g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
-    g.add_argument("--tile-size", type=int, default=None, help="sarathi: align C + decodes to this tile")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=None, help="default 1000 (10000 for paper-fig12)")
     g.add_argument("--lengths", choices=LENGTH_KINDS, default="zipf")
@@ -83,6 +88,19 @@ def _cluster(args) -> ClusterConfig:
     return ClusterConfig(**kw)
 
 
+def scheduler_values(args) -> dict:
+    """Policies, C and B of the command: explicit flags as given, unset ones the command's defaults
+    (VALIDATE_DEFAULTS with --validate), all checked by SchedulerConfig before anything runs."""
+    policies = args.scheduler or [setting_default("scheduler")]
+    fallback = VALIDATE_DEFAULTS if args.validate else {"chunk_size": setting_default("chunk_size"), "max_num_seqs": None}
+    values = {name: fallback[name] if getattr(args, name) is None else getattr(args, name) for name in fallback}
+    for policy in policies:
+        SchedulerConfig(policy=policy, chunk_size=values["chunk_size"], tile_size=args.tile_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        **({} if values["max_num_seqs"] is None else {"max_num_seqs": values["max_num_seqs"]}))
+    return {"policies": policies, **values}
+
+
 def build_runs(args):
     from charioteer.sim.runner import RunSpec, paper_fig12_specs
 
@@ -97,12 +115,13 @@ def build_runs(args):
                          decode_len=args.decode_len, arrivals=args.arrivals, rate=args.rate, trace=args.trace,
                          seed=args.seed)
     model, hw, cluster = model_shape(args.model), hardware_spec(args.hardware), _cluster(args)
+    sched = scheduler_values(args)
     specs = []
-    for policy in args.scheduler or ["sarathi"]:
+    for policy in sched["policies"]:
         specs.append(RunSpec(f"{policy}-tp{cluster.tp}-pp{cluster.pp}-x{cluster.replicas}", policy, model, hw, cluster,
-                             chunk_size=args.chunk_size, batch_cap=args.batch_cap, max_seq_len=args.max_seq_len,
-                             tile_size=args.tile_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                             cost_table=args.cost_table))
+                             chunk_size=sched["chunk_size"], batch_cap=sched["max_num_seqs"],
+                             max_seq_len=args.max_seq_len, tile_size=args.tile_size,
+                             max_num_batched_tokens=args.max_num_batched_tokens, cost_table=args.cost_table))
     return specs, wspec
 
 
@@ -112,8 +131,7 @@ def _sensitivity(args, t0: float) -> int:
     from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_sensitivity
 
     if args.preset != "paper-fig12":
-        print("error: --sensitivity needs --preset paper-fig12", file=sys.stderr)
-        return 2
+        raise ValueError("--sensitivity needs --preset paper-fig12")
     with tqdm(total=len(FIG12_SENSITIVITY), unit="variant", file=sys.stderr, disable=args.no_progress) as bar:
         rows = fig12_sensitivity(args.num_requests or 10_000, args.seed, progress=bar)
     if args.json:
@@ -131,26 +149,31 @@ def _sensitivity(args, t0: float) -> int:
     return 0
 
 
+def _validate(args, t0: float) -> int:
+    from charioteer.sim import validate as sim_validate
+
+    sched = scheduler_values(args)
+    report = sim_validate.validate(policy=sched["policies"][0], batch_cap=sched["max_num_seqs"],
+                                   chunk_size=sched["chunk_size"], num_requests=args.num_requests or 24,
+                                   seed=args.seed + 1)
+    report["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"per-batch MAPE: {report['per_batch_mape'] * 100:.1f}% over {report['validation_batches']} batches")
+        print(f"completion: measured {report['measured_completion_s']:.2f} s, simulated "
+              f"{report['simulated_completion_s']:.2f} s, error {report['completion_error'] * 100:.1f}%")
+        print(f"same batch sequence as the engine: {report['same_batch_sequence']}")
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from charioteer.sim.report import report_markdown, write_outputs
     from charioteer.sim.runner import fig12_comparison, run_many
 
     t0 = time.perf_counter()
     if args.validate:
-        from charioteer.sim.validate import validate
-
-        report = validate(policy=(args.scheduler or ["sarathi"])[0], batch_cap=args.batch_cap or 8,
-                          chunk_size=args.chunk_size if args.chunk_size != 256 else 64,
-                          num_requests=args.num_requests or 24, seed=args.seed + 1)
-        report["wall_s"] = time.perf_counter() - t0
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            print(f"per-batch MAPE: {report['per_batch_mape'] * 100:.1f}% over {report['validation_batches']} batches")
-            print(f"completion: measured {report['measured_completion_s']:.2f} s, simulated "
-                  f"{report['simulated_completion_s']:.2f} s, error {report['completion_error'] * 100:.1f}%")
-            print(f"same batch sequence as the engine: {report['same_batch_sequence']}")
-        return 0
+        return _validate(args, t0)
     if args.sensitivity:
         return _sensitivity(args, t0)
     specs, wspec = build_runs(args)

@@ -1,7 +1,7 @@
 """Cost of one batch on one pipeline stage.
 
-`RooflineCostModel` prices a batch plan (the engine's `Batch`, or any list of
-(num_tokens, start, is_prefill) triples) per layer on one device of a TP group:
+`RooflineCostModel` prices a batch plan (`Batch.plan()`: its (num_tokens, start, is_prefill)
+rows, or any such triples) per layer on one device of a TP group:
 
 - Linear layers (QKV, O, MLP): each GEMM of M = batch tokens rows is
   max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * memory_efficiency)) where the FLOPs
@@ -27,15 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from charioteer.sim.memory import stage_layers
+from charioteer.parallel import kv_heads_per_rank, layers_per_stage
+from charioteer.scheduling.base import PlanRow
 from charioteer.sim.specs import ClusterConfig, HardwareSpec, ModelShape
 
-Plan = Iterable[tuple[int, int, bool]]  # (num_tokens, start, is_prefill) per request
-
-
-def plan_of(batch) -> list[tuple[int, int, bool]]:
-    """The (num_tokens, start, is_prefill) triples of an engine Batch."""
-    return [(e.num_tokens, e.start, e.is_prefill) for e in batch.entries]
+Plan = list[PlanRow]  # Batch.plan(): (num_tokens, start, is_prefill) per request
 
 
 class CostModel:
@@ -43,7 +39,7 @@ class CostModel:
 
     num_stages: int = 1
 
-    def batch_cost(self, plan: list[tuple[int, int, bool]]) -> tuple[list[float], float, float]:
+    def batch_cost(self, plan: Plan) -> tuple[list[float], float, float]:
         raise NotImplementedError
 
 
@@ -65,13 +61,12 @@ class RooflineCostModel(CostModel):
     def __init__(self, model: ModelShape, hardware: HardwareSpec, cluster: ClusterConfig) -> None:
         self.model, self.hw, self.cluster = model, hardware, cluster
         tp = cluster.tp
-        if model.num_heads % tp or model.intermediate_size % tp:
-            raise ValueError(f"model {model.name}: tp={tp} must divide num_heads and the MLP width")
-        self.layers = stage_layers(model.num_layers, cluster.pp)
+        model.check_tp(tp)
+        self.layers = layers_per_stage(model.num_layers, cluster.pp)
         self.num_stages = cluster.pp
         h = model.hidden_size
         self.heads = model.num_heads // tp
-        self.kv_heads = max(1, model.num_kv_heads // tp)
+        self.kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
         self.hd = model.head_dim
         self.dtype = model.dtype_bytes
         inter = model.intermediate_size // tp
@@ -159,10 +154,7 @@ class RooflineCostModel(CostModel):
 
     # ---- a batch ----------------------------------------------------------------------------
 
-    def layer_time(self, plan: list[tuple[int, int, bool]]) -> float:
-        return self._layer_and_flops(plan)[0]
-
-    def _layer_and_flops(self, plan: list[tuple[int, int, bool]]) -> tuple[float, int, float]:
+    def _layer_and_flops(self, plan: Plan) -> tuple[float, int, float]:
         """(one layer's time on one device, tokens, attention FLOPs of one layer, whole model width)."""
         tokens = 0
         attention = 0.0
@@ -181,7 +173,7 @@ class RooflineCostModel(CostModel):
         t = self.linear_time(tokens) + attention + 2 * self.allreduce_time(tokens)
         return t, tokens, 4.0 * att_tokens * self.model.head_dim * self.model.num_heads
 
-    def batch_cost(self, plan: list[tuple[int, int, bool]], num_samples: int | None = None):
+    def batch_cost(self, plan: Plan, num_samples: int | None = None):
         """(busy seconds per stage, seconds per stage-to-stage transfer, useful FLOPs of the whole batch)."""
         if num_samples is None:
             num_samples = len(plan)

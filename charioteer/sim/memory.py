@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from charioteer.memory.block_manager import batch_capacity
+from charioteer.parallel import layers_per_stage
 from charioteer.sim.specs import ClusterConfig, HardwareSpec, ModelShape
 
 
@@ -47,40 +49,37 @@ class MemoryPlan:
         return asdict(self)
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per stage: as even as possible, earlier stages take the remainder."""
-    if pp > num_layers:
-        raise ValueError(f"pp ({pp}) cannot exceed the model's {num_layers} layers")
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
+def weight_bytes_per_device(model: ModelShape, cluster: ClusterConfig) -> int:
+    """M_S: the weights of the fullest device (its stage's layers, plus the embedding on the first
+    stage and the LM head on the last), sharded over tp."""
+    layers = layers_per_stage(model.num_layers, cluster.pp)
+    worst = 0
+    for s, n in enumerate(layers):
+        params = n * model.layer_params
+        if s == 0:
+            params += model.embedding_params  # input embedding
+        if s == cluster.pp - 1:
+            params += model.embedding_params  # LM head
+        worst = max(worst, params * model.dtype_bytes // cluster.tp)
+    return worst
 
 
 def plan_memory(model: ModelShape, hardware: HardwareSpec, cluster: ClusterConfig, max_seq_len: int) -> MemoryPlan:
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     tp, pp = cluster.tp, cluster.pp
-    if model.num_heads % tp or model.intermediate_size % tp:
-        raise ValueError(f"model {model.name}: tp={tp} must divide num_heads ({model.num_heads}) and the MLP width")
-    layers = stage_layers(model.num_layers, pp)
-    embed = model.embedding_params
-    worst = 0
-    for s, n in enumerate(layers):
-        params = n * model.layer_params
-        if s == 0:
-            params += embed  # input embedding
-        if s == pp - 1:
-            params += embed  # LM head
-        worst = max(worst, params * model.dtype_bytes // tp)
-    kv_heads_per_device = max(1, model.num_kv_heads // tp)  # GQA heads are replicated when tp > kv_heads
-    kv_token = 2 * max(layers) * kv_heads_per_device * model.head_dim * model.dtype_bytes
+    model.check_tp(tp)
+    stage_layers = max(layers_per_stage(model.num_layers, pp))
+    weights = weight_bytes_per_device(model, cluster)
+    kv_token = model.kv_bytes_per_token(stage_layers, tp)
     usable = int(hardware.memory_bytes * hardware.memory_fraction)
-    free = usable - worst
+    free = usable - weights
     if free <= 0:
-        raise ValueError(f"{model.name} weights need {worst / 1e9:.1f} GB per device but {hardware.name} gives "
+        raise ValueError(f"{model.name} weights need {weights / 1e9:.1f} GB per device but {hardware.name} gives "
                          f"{usable / 1e9:.1f} GB usable: raise tp or pp")
-    requests = free // (max_seq_len * kv_token)
+    requests = batch_capacity(usable, weights, max_seq_len, kv_token)
     cap = requests // pp
     if cap < 1:
         raise ValueError(f"KV for one {max_seq_len}-token request per micro-batch does not fit on {hardware.name} "
                          f"with tp={tp}, pp={pp}: raise tp or pp, or shorten max_seq_len")
-    return MemoryPlan(worst, kv_token, usable, free, max_seq_len, requests, cap, max(layers))
+    return MemoryPlan(weights, kv_token, usable, free, max_seq_len, requests, cap, stage_layers)

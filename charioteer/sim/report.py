@@ -17,7 +17,17 @@ def _fmt(x, nd=2) -> str:
     return str(x)
 
 
-def _bubble_cdf(outputs, out_dir: str, plt) -> str:
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Lay out a matplotlib figure, write it to out_dir/name (120 dpi) and close it; returns `name`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=120)
+    plt.close(fig)
+    return name
+
+
+def _bubble_cdf(outputs: list[RunOutput], out_dir: str, plt) -> str:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for o in outputs:
         if o.spec.cluster.pp > 1:
@@ -28,10 +38,35 @@ def _bubble_cdf(outputs, out_dir: str, plt) -> str:
     ax.set_title("Bubble time per request (cf. paper Fig. 12a)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig12a_bubble_cdf.png"), dpi=120)
-    plt.close(fig)
-    return "fig12a_bubble_cdf.png"
+    return save_figure(fig, out_dir, "fig12a_bubble_cdf.png")
+
+
+def _completion_bars(outputs: list[RunOutput], out_dir: str, plt, paper: bool) -> str:
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    names = [o.spec.name for o in outputs]
+    ours = [o.summary["completion_time_s"] for o in outputs]
+    xs = np.arange(len(names))
+    width = 0.38 if paper else 0.6
+    ax.bar(xs - (width / 2 if paper else 0), ours, width, label="Charioteer sim")
+    if paper:
+        paper_vals = [PAPER_FIG12["completion_time_s"].get(n) for n in names]
+        ax.bar(xs + width / 2, [v or 0 for v in paper_vals], width, label="paper (approx.)")
+    ax.set_xticks(xs, names)
+    ax.set_ylabel("completion time (s)")
+    ax.set_title("Completion time (cf. paper Fig. 12b)")
+    ax.legend()
+    return save_figure(fig, out_dir, "fig12b_completion.png")
+
+
+def _batch_sizes(outputs: list[RunOutput], out_dir: str, plt) -> str:
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for o in outputs:
+        s = o.result.batch_sizes
+        ax.hist(s, bins=np.arange(0.5, s.max() + 1.5), histtype="step", density=True, label=o.spec.name)
+    ax.set_xlabel("requests per batch")
+    ax.set_ylabel("fraction of batches")
+    ax.legend()
+    return save_figure(fig, out_dir, "batch_sizes.png")
 
 
 def write_plots(outputs: list[RunOutput], out_dir: str, paper: bool = False) -> list[str]:
@@ -46,35 +81,8 @@ def write_plots(outputs: list[RunOutput], out_dir: str, paper: bool = False) -> 
     files = []
     if any(o.spec.cluster.pp > 1 for o in outputs):
         files.append(_bubble_cdf(outputs, out_dir, plt))
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    names = [o.spec.name for o in outputs]
-    ours = [o.summary["completion_time_s"] for o in outputs]
-    xs = np.arange(len(names))
-    paper_vals = [PAPER_FIG12["completion_time_s"].get(n) for n in names] if paper else []
-    width = 0.38 if paper else 0.6
-    ax.bar(xs - (width / 2 if paper else 0), ours, width, label="Charioteer sim")
-    if paper:
-        ax.bar(xs + width / 2, [v or 0 for v in paper_vals], width, label="paper (approx.)")
-    ax.set_xticks(xs, names)
-    ax.set_ylabel("completion time (s)")
-    ax.set_title("Completion time (cf. paper Fig. 12b)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "fig12b_completion.png"), dpi=120)
-    plt.close(fig)
-    files.append("fig12b_completion.png")
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for o in outputs:
-        s = o.result.batch_sizes
-        ax.hist(s, bins=np.arange(0.5, s.max() + 1.5), histtype="step", density=True, label=o.spec.name)
-    ax.set_xlabel("requests per batch")
-    ax.set_ylabel("fraction of batches")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "batch_sizes.png"), dpi=120)
-    plt.close(fig)
-    files.append("batch_sizes.png")
+    files.append(_completion_bars(outputs, out_dir, plt, paper))
+    files.append(_batch_sizes(outputs, out_dir, plt))
     return files
 
 

@@ -5,6 +5,7 @@ A `RunSpec` is one simulated deployment (model, hardware, cluster, scheduler) ov
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -128,7 +129,7 @@ def run_one(spec: RunSpec, workload: Workload, workload_spec: WorkloadSpec | Non
         import json
 
         from charioteer.sim.cost import ProfiledCostModel
-        from charioteer.tune.chunk_size import TimingTable
+        from charioteer.scheduling.chunk_size import TimingTable
 
         with open(spec.cost_table) as f:
             cost = ProfiledCostModel(spec.model, spec.hardware, spec.cluster, TimingTable(**json.load(f)))
@@ -144,7 +145,7 @@ def run_many(specs: list[RunSpec], workload_spec: WorkloadSpec, show_progress: b
     if show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(workload) * len(specs), unit="req", desc="simulating", file=__import__("sys").stderr,
+        bar = tqdm(total=len(workload) * len(specs), unit="req", desc="simulating", file=sys.stderr,
                    mininterval=0.5)
     outputs = []
     try:
@@ -206,7 +207,3 @@ def fig12_sensitivity(num_requests: int = 10_000, seed: int = 0, progress=None) 
         if progress is not None:
             progress.update(1)
     return rows
-
-
-def with_overrides(spec: RunSpec, **kw) -> RunSpec:
-    return replace(spec, **{k: v for k, v in kw.items() if v is not None})

@@ -19,19 +19,27 @@ holder's class, so a convoy is charged to the batch that started it:
   PB3: both are decode-only (unequal context lengths).
 We also record the dual view, stage idle time: a stage that has run before and waits for the next
 micro-batch; it is charged to the requests of the micro-batch it waited for (`stage_idle_s`).
+
+Layout: `Simulator.run` drives a `_Run`, an event loop over arrivals and micro-batch returns:
+`dispatch` places an arrival on a `_Replica`, `issue` plans micro-batches there (`_Replica.plan`:
+late binding and `Scheduler.schedule`) and `launch` prices one with the cost model and runs it
+through the replica's `_Pipeline`; `on_return` hands it back to its scheduler (`on_batch_done`).
+`_Tally` records what the run measures. The simulator changes requests and schedulers only
+through the schedulers' public methods (add_request, schedule, on_batch_done).
 """
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from charioteer.config import SchedulerConfig
 from charioteer.memory.block_manager import BlockManager, cdiv
-from charioteer.request import Request
-from charioteer.sampling_params import SamplingParams
+from charioteer.request import Request, SamplingParams
 from charioteer.scheduling import make_scheduler
+from charioteer.scheduling.base import Batch, PlanRow
 from charioteer.sim.cost import CostModel
 from charioteer.sim.specs import ClusterConfig
 from charioteer.sim.workload import Workload
@@ -50,64 +58,6 @@ class ReplicaSetup:
     tile_size: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
-
-
-class SimRequest(Request):
-    """A Request whose hot length properties skip a few nested property calls.
-
-    Same state, same results as Request's own properties (test_sim_engine checks both agree); the
-    schedulers read these hundreds of thousands of times per simulated run.
-    """
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_remaining_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
-
-    @property
-    def in_prefill(self) -> bool:
-        n = len(self.output_token_ids)
-        return n == 0 or len(self.prompt_token_ids) + n - self.num_computed_tokens > 1
-
-
-class _Slot:
-    __slots__ = ("sched", "cap", "limit", "in_flight")
-
-    def __init__(self, sched, cap: int, limit: int) -> None:
-        self.sched, self.cap, self.limit, self.in_flight = sched, cap, limit, 0
-
-
-class _Replica:
-    def __init__(self, index: int, setup: ReplicaSetup, cluster: ClusterConfig, num_stages: int) -> None:
-        self.index = index
-        self.pp = cluster.pp
-        virtual = cluster.pp_scheduling == "virtual-engines"
-        n_slots = self.pp if virtual else 1
-        cap = setup.batch_cap if virtual else setup.batch_cap * self.pp
-        self.slots = []
-        for _ in range(n_slots):
-            config = SchedulerConfig(policy=setup.policy, max_num_seqs=cap, chunk_size=setup.chunk_size,
-                                     tile_size=setup.tile_size, max_num_batched_tokens=setup.max_num_batched_tokens)
-            blocks = BlockManager(cap * cdiv(setup.max_seq_len, setup.block_size), setup.block_size, "reserve")
-            self.slots.append(_Slot(make_scheduler(config, blocks), cap, 1 if virtual else self.pp))
-        self.virtual = virtual
-        # "shared-capped": the simulator holds each planned batch to `batch_cap` requests (see issue()).
-        self.batch_cap = setup.batch_cap if cluster.pp_scheduling == "shared-capped" else None
-        self.pending: list[Request] = []  # dispatched here, not yet handed to a scheduler (virtual engines)
-        self.pending_head = 0
-        self.in_flight = 0
-        self.outstanding = 0  # dispatched and not finished (least-loaded dispatch)
-        self.stage_free = [0.0] * num_stages
-        self.stage_used = [False] * num_stages
-        self.stage_last_prefill = [False] * num_stages
-        self.stage_last_cause = [0] * num_stages  # main PB class of the last micro-batch's wait at each stage
-        self.stage_last_wait = [0.0] * num_stages  # how long that micro-batch waited there
-        self.stage_busy = [0.0] * num_stages
-        self.stage_idle = [0.0] * num_stages
-        self.flops = 0.0
 
 
 @dataclass
@@ -131,212 +81,332 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel, trace_batches: bool = False,
-                 fast_requests: bool = True) -> None:
+    def __init__(self, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel, trace_batches: bool = False) -> None:
         if cost.num_stages != cluster.pp:
             raise ValueError(f"cost model has {cost.num_stages} stages but the cluster has pp={cluster.pp}")
         self.setup, self.cluster, self.cost = setup, cluster, cost
         self.trace_batches = trace_batches
-        self.request_class = SimRequest if fast_requests else Request
 
     def run(self, workload: Workload, progress=None) -> SimResult:
-        setup, cluster, cost = self.setup, self.cluster, self.cost
-        n = len(workload)
-        if workload.max_seq_len > setup.max_seq_len:
-            raise ValueError(f"workload has a {workload.max_seq_len}-token request but max_seq_len is {setup.max_seq_len}")
-        pp = cluster.pp
-        replicas = [_Replica(i, setup, cluster, pp) for i in range(cluster.replicas)]
-        prompts: dict[int, list[int]] = {}
-        requests = []
-        for i in range(n):
-            p = int(workload.prompt_len[i])
-            ids = prompts.get(p)
-            if ids is None:
-                ids = prompts[p] = [0] * p
-            req = self.request_class(str(i), ids, SamplingParams(max_tokens=int(workload.decode_len[i]), ignore_eos=True),
-                                     arrival_time=float(workload.arrival_s[i]))
-            req.sim_index = i  # the simulator's own bookkeeping; schedulers never read it
-            requests.append(req)
-        # Plain lists: indexing them is several times cheaper than indexing numpy arrays.
-        first = [np.nan] * n
-        last_tok = [-1.0] * n
-        finish = [np.nan] * n
-        bubble = [0.0] * n
-        pb1, pb2, pb3 = [0.0] * n, [0.0] * n, [0.0] * n
-        idle_charged = [0.0] * n
-        tbt: list[float] = []
-        sizes: list[int] = []
-        tokens: list[int] = []
-        prefill_tokens: list[int] = []
-        traced: list = []
-        heap: list = []
-        seq = 0
-        for i in range(n):
-            heap.append((float(workload.arrival_s[i]), seq, _ARRIVAL, i))
-            seq += 1
-        heapq.heapify(heap)
-        rr = 0
-        done = 0
-        makespan = 0.0
-        ret_lat = cluster.pp_link()[1] if pp > 1 else 0.0
+        """Simulate `workload` to its end; `progress` (a tqdm bar or None) advances per finished request."""
+        if workload.max_seq_len > self.setup.max_seq_len:
+            raise ValueError(f"workload has a {workload.max_seq_len}-token request but max_seq_len is "
+                             f"{self.setup.max_seq_len}")
+        return _Run(self, workload, progress).run()
 
-        def issue(rep: _Replica, now: float) -> None:
-            nonlocal seq
-            progressed = True
-            while rep.in_flight < pp and progressed:
-                progressed = False
-                for slot in rep.slots:
-                    if rep.in_flight >= pp:
-                        break
-                    if slot.in_flight >= slot.limit:
-                        continue
-                    sched = slot.sched
-                    # Late binding: a virtual engine takes new requests only while it has room for them.
-                    hidden = None
-                    if rep.batch_cap is not None:
-                        # Workaround (SchedulerConfig has no per-batch cap apart from max_num_seqs): show the
-                        # scheduler at most batch_cap ready requests, hiding the rest as if in flight, and
-                        # hand it waiting requests only up to the room left in this batch.
-                        cap_b = rep.batch_cap
-                        ready = [r for r in sched.running if not r.in_flight]
-                        hidden = ready[cap_b:]
-                        for r in hidden:
-                            r.in_flight = True
-                        room = cap_b - min(len(ready), cap_b) - len(sched.waiting)
-                        while room > 0 and rep.pending_head < len(rep.pending):
-                            sched.add_request(rep.pending[rep.pending_head])
-                            rep.pending_head += 1
-                            room -= 1
-                    else:
-                        while rep.pending_head < len(rep.pending) and (not rep.virtual or sched.num_requests < slot.cap):
-                            sched.add_request(rep.pending[rep.pending_head])
-                            rep.pending_head += 1
-                    if not sched.has_unfinished():
-                        continue
-                    batch = sched.schedule()
-                    if hidden:
-                        for r in hidden:
-                            r.in_flight = False
-                    if not batch:
-                        if slot.in_flight == 0 and rep.in_flight == 0 and rep.pending_head == len(rep.pending):
-                            raise RuntimeError(f"scheduler {sched.name} planned an empty batch with nothing in flight")
-                        continue
-                    entries = batch.entries
-                    plan = [(e.num_tokens, e.start, e.is_prefill) for e in entries]
-                    times, p2p, flops = cost.batch_cost(plan)
-                    rep.flops += flops
-                    ntok = 0
-                    npre = 0
-                    for num, _, is_prefill in plan:
-                        ntok += num
-                        if is_prefill:
-                            npre += num
-                    sizes.append(len(entries))
-                    tokens.append(ntok)
-                    prefill_tokens.append(npre)
-                    if self.trace_batches:
-                        traced.append((rep.index, [(e.request.request_id, e.start, e.num_tokens) for e in entries]))
-                    has_prefill = npre > 0
-                    arrive = now
-                    wait = 0.0
-                    w = [0.0, 0.0, 0.0]
-                    idle = 0.0
-                    free, used, last_pre = rep.stage_free, rep.stage_used, rep.stage_last_prefill
-                    last_cause, last_wait = rep.stage_last_cause, rep.stage_last_wait
-                    for s in range(pp):
-                        f = free[s]
-                        if f > arrive:
-                            d = f - arrive
-                            wait += d
-                            lp = last_pre[s]
-                            own = 0 if (lp and has_prefill) else (2 if not (lp or has_prefill) else 1)
-                            inherited = min(d, last_wait[s])  # the holder's own queueing, passed on
-                            if inherited > 0:
-                                w[last_cause[s]] += inherited
-                            if d > inherited:
-                                w[own] += d - inherited
-                            last_cause[s] = last_cause[s] if inherited * 2 >= d else own
-                            last_wait[s] = d
-                            start = f
-                        else:
-                            if used[s]:
-                                gap = arrive - f
-                                idle += gap
-                                rep.stage_idle[s] += gap
-                            start = arrive
-                            last_wait[s] = 0.0
-                        t = times[s]
-                        end = start + t
-                        free[s] = end
-                        used[s] = True
-                        last_pre[s] = has_prefill
-                        rep.stage_busy[s] += t
-                        arrive = end + p2p if s < pp - 1 else end + ret_lat
-                    if wait or idle:
-                        for e in entries:
-                            j = e.request.sim_index
-                            bubble[j] += wait
-                            pb1[j] += w[0]
-                            pb2[j] += w[1]
-                            pb3[j] += w[2]
-                            idle_charged[j] += idle
-                    slot.in_flight += 1
-                    rep.in_flight += 1
-                    heapq.heappush(heap, (arrive, seq, _RETURN, (rep, slot, batch)))
-                    seq += 1
+
+# ---- a replica: its schedulers and its pipeline ---------------------------------------------------
+
+
+class _SchedulerSlot:
+    """One scheduler feeding a replica's pipeline, with at most `max_in_flight` of its batches in flight.
+
+    `max_held`: late binding (virtual engines): the scheduler is handed dispatched requests only
+    while it holds fewer than that. `batch_cap`: each planned batch holds at most that many requests
+    (`Scheduler.schedule(max_requests=...)`).
+    """
+
+    __slots__ = ("sched", "max_in_flight", "in_flight", "max_held", "batch_cap")
+
+    def __init__(self, setup: ReplicaSetup, max_num_seqs: int, max_in_flight: int, max_held: int | None = None,
+                 batch_cap: int | None = None) -> None:
+        config = SchedulerConfig(policy=setup.policy, max_num_seqs=max_num_seqs, chunk_size=setup.chunk_size,
+                                 tile_size=setup.tile_size, max_num_batched_tokens=setup.max_num_batched_tokens)
+        blocks = BlockManager(max_num_seqs * cdiv(setup.max_seq_len, setup.block_size), setup.block_size, "reserve")
+        self.sched = make_scheduler(config, blocks)
+        self.max_in_flight, self.in_flight = max_in_flight, 0
+        self.max_held, self.batch_cap = max_held, batch_cap
+
+    def has_room(self) -> bool:
+        """Whether the scheduler should be handed one more dispatched request now."""
+        if self.max_held is not None:
+            return self.sched.num_requests < self.max_held
+        if self.batch_cap is not None:
+            # A capped plan looks at no more than batch_cap waiting requests, the queue's head, so keeping
+            # that many queued plans the same batches as queueing them all, without copying a long queue.
+            return len(self.sched.waiting) < self.batch_cap
+        return True
+
+
+class _Pipeline:
+    """A replica's FIFO stages: when each is free again, and what its last micro-batch was."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self.free = [0.0] * num_stages
+        self.used = [False] * num_stages
+        self.busy = [0.0] * num_stages
+        self.last_prefill = [False] * num_stages  # whether the last micro-batch held prompt tokens
+        self.last_cause = [0] * num_stages  # main PB class of the last micro-batch's wait there
+        self.last_wait = [0.0] * num_stages  # how long that micro-batch waited there
+
+    def advance(self, ready: float, times: list[float], hop: float, last_hop: float,
+                has_prefill: bool) -> tuple[float, float, list[float], float]:
+        """Run a micro-batch, ready at `ready`, through the stages: `times[s]` on stage s, `hop` from one
+        stage to the next and `last_hop` from the last back to the scheduler.
+
+        Returns (when it is back, its wait in front of busy stages, that wait per [PB1, PB2, PB3],
+        the idle time of the stages that waited for it).
+        """
+        free, used, busy, last_pre = self.free, self.used, self.busy, self.last_prefill
+        last_cause, last_wait = self.last_cause, self.last_wait
+        last = self.num_stages - 1
+        arrive = ready
+        wait = idle = 0.0
+        by_class = [0.0, 0.0, 0.0]
+        for s in range(self.num_stages):
+            f = free[s]
+            if f > arrive:  # queued behind the stage's last micro-batch, the holder
+                d = f - arrive
+                wait += d
+                lp = last_pre[s]
+                own = 0 if (lp and has_prefill) else (2 if not (lp or has_prefill) else 1)  # PB1, PB3, PB2
+                inherited = min(d, last_wait[s])  # the holder's own queueing, passed on in its class
+                if inherited > 0:
+                    by_class[last_cause[s]] += inherited
+                if d > inherited:
+                    by_class[own] += d - inherited
+                last_cause[s] = last_cause[s] if inherited * 2 >= d else own
+                last_wait[s] = d
+                start = f
+            else:
+                if used[s]:
+                    idle += arrive - f
+                start = arrive
+                last_wait[s] = 0.0
+            t = times[s]
+            end = start + t
+            free[s] = end
+            used[s] = True
+            last_pre[s] = has_prefill
+            busy[s] += t
+            arrive = end + (hop if s < last else last_hop)
+        return arrive, wait, by_class, idle
+
+
+class _Replica:
+    """One model replica: its scheduler(s), its pipeline, and the requests dispatched to it."""
+
+    def __init__(self, index: int, setup: ReplicaSetup, cluster: ClusterConfig) -> None:
+        self.index = index
+        pp, cap = cluster.pp, setup.batch_cap
+        if cluster.pp_scheduling == "virtual-engines":  # one scheduler per micro-batch slot
+            self.slots = [_SchedulerSlot(setup, cap, 1, max_held=cap) for _ in range(pp)]
+        else:  # one shared pool of pp * B requests
+            capped = cluster.pp_scheduling == "shared-capped"
+            self.slots = [_SchedulerSlot(setup, cap * pp, pp, batch_cap=cap if capped else None)]
+        self.pipeline = _Pipeline(pp)
+        self.pending: deque[Request] = deque()  # dispatched here, not yet handed to a scheduler
+        self.in_flight = 0  # micro-batches
+        self.outstanding = 0  # requests dispatched and not finished (least-loaded dispatch)
+        self.flops = 0.0
+
+    def plan(self, slot: _SchedulerSlot) -> Batch | None:
+        """Hand `slot` the pending requests it has room for and plan its next batch (None: none now)."""
+        sched, pending = slot.sched, self.pending
+        while pending and slot.has_room():
+            sched.add_request(pending.popleft())
+        if not sched.has_unfinished():
+            return None
+        batch = sched.schedule(slot.batch_cap)
+        if batch:
+            return batch
+        if slot.in_flight == 0 and self.in_flight == 0 and not pending:
+            raise RuntimeError(f"scheduler {sched.name} planned an empty batch with nothing in flight")
+        return None
+
+
+# ---- what a run measures --------------------------------------------------------------------------
+
+
+class _Tally:
+    """Per-request times and bubbles, per-batch sizes, token gaps. Plain lists: indexing them is
+    several times cheaper than indexing numpy arrays."""
+
+    def __init__(self, requests: list[Request], trace_batches: bool) -> None:
+        n = len(requests)
+        self.index = {r: i for i, r in enumerate(requests)}  # Request -> its row (requests hash by identity)
+        self.first = [np.nan] * n
+        self.last_token = [-1.0] * n
+        self.finish = [np.nan] * n
+        self.bubble = [0.0] * n
+        self.pb = ([0.0] * n, [0.0] * n, [0.0] * n)
+        self.idle = [0.0] * n
+        self.tbt: list[float] = []
+        self.sizes: list[int] = []
+        self.tokens: list[int] = []
+        self.prefill_tokens: list[int] = []
+        self.traced: list | None = [] if trace_batches else None
+
+    def issued(self, replica: int, batch: Batch, rows: list[PlanRow]) -> bool:
+        """Record a planned batch; returns whether it holds prompt tokens."""
+        num_tokens = num_prefill = 0
+        for num, _, is_prefill in rows:
+            num_tokens += num
+            if is_prefill:
+                num_prefill += num
+        self.sizes.append(len(rows))
+        self.tokens.append(num_tokens)
+        self.prefill_tokens.append(num_prefill)
+        if self.traced is not None:
+            self.traced.append((replica, [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries]))
+        return num_prefill > 0
+
+    def charge(self, batch: Batch, wait: float, by_class: list[float], idle: float) -> None:
+        """Charge a micro-batch's wait (and the stage idle time before it) to each of its requests."""
+        index, bubble, charged = self.index, self.bubble, self.idle
+        pb1, pb2, pb3 = self.pb
+        w1, w2, w3 = by_class
+        for e in batch.entries:
+            j = index[e.request]
+            bubble[j] += wait
+            pb1[j] += w1
+            pb2[j] += w2
+            pb3[j] += w3
+            charged[j] += idle
+
+    def returned(self, batch: Batch, now: float) -> dict[str, int]:
+        """Record the tokens a batch back at `now` yields; returns them (all token 0) for on_batch_done."""
+        index, first, last, tbt = self.index, self.first, self.last_token, self.tbt
+        sampled = {}
+        for e in batch.entries:
+            if e.samples:
+                req = e.request
+                sampled[req.request_id] = 0
+                j = index[req]
+                prev = last[j]
+                if prev >= 0.0:
+                    tbt.append(now - prev)
+                else:
+                    first[j] = now
+                last[j] = now
+        return sampled
+
+    def finished(self, requests: list[Request], now: float) -> None:
+        for r in requests:
+            self.finish[self.index[r]] = now
+
+    def result(self, workload: Workload, makespan: float, replicas: list[_Replica]) -> SimResult:
+        n = len(workload)
+        return SimResult(
+            num_requests=n, makespan_s=makespan, arrival_s=workload.arrival_s.copy(),
+            first_token_s=np.array(self.first), finish_s=np.array(self.finish), bubble_s=np.array(self.bubble),
+            bubble_pb_s=np.array(self.pb).T.reshape(n, 3), stage_idle_s=np.array(self.idle),
+            tbt_s=np.asarray(self.tbt), batch_sizes=np.asarray(self.sizes), batch_tokens=np.asarray(self.tokens),
+            batch_prefill_tokens=np.asarray(self.prefill_tokens),
+            stage_busy_s=np.array([r.pipeline.busy for r in replicas]), flops=sum(r.flops for r in replicas),
+            num_preemptions=sum(e.sched.num_preemptions for r in replicas for e in r.slots),
+            batches=self.traced if self.traced is not None else [],
+        )
+
+
+# ---- the event loop -------------------------------------------------------------------------------
+
+
+def _make_requests(workload: Workload) -> list[Request]:
+    """One Request per workload row, id = row; prompts of one length share a token list (ids never matter)."""
+    prompts: dict[int, list[int]] = {}
+    requests = []
+    for i in range(len(workload)):
+        p = int(workload.prompt_len[i])
+        ids = prompts.get(p)
+        if ids is None:
+            ids = prompts[p] = [0] * p
+        params = SamplingParams(max_tokens=int(workload.decode_len[i]), ignore_eos=True)
+        requests.append(Request(str(i), ids, params, arrival_time=float(workload.arrival_s[i])))
+    return requests
+
+
+class _Run:
+    """One simulation: events (arrivals, micro-batch returns) in time order, the replicas, the tally."""
+
+    def __init__(self, sim: Simulator, workload: Workload, progress) -> None:
+        cluster = sim.cluster
+        self.workload, self.cost, self.progress = workload, sim.cost, progress
+        self.pp = cluster.pp
+        self.return_latency = cluster.pp_link()[1] if cluster.pp > 1 else 0.0
+        self.round_robin = cluster.dispatch == "round-robin"
+        self.next_replica = 0
+        self.replicas = [_Replica(i, sim.setup, cluster) for i in range(cluster.replicas)]
+        self.requests = _make_requests(workload)
+        self.tally = _Tally(self.requests, sim.trace_batches)
+        # (time, sequence number, kind, data): the sequence number keeps ties in push order.
+        self.events = [(float(t), i, _ARRIVAL, i) for i, t in enumerate(workload.arrival_s)]
+        heapq.heapify(self.events)
+        self.seq = len(self.events)
+        self.done = 0
+        self.makespan = 0.0
+
+    def run(self) -> SimResult:
+        events = self.events
+        while events:
+            now, _, kind, data = heapq.heappop(events)
+            if kind == _ARRIVAL:
+                self.dispatch(data, now)
+            else:
+                self.on_return(now, *data)
+        n = len(self.requests)
+        if self.done != n:
+            raise RuntimeError(f"simulation ended with {n - self.done} of {n} requests unfinished")
+        return self.tally.result(self.workload, self.makespan, self.replicas)
+
+    def dispatch(self, i: int, now: float) -> None:
+        """Send request `i` to a replica. Once every arrival at this instant is placed, replicas plan."""
+        replicas = self.replicas
+        if self.round_robin:
+            replica = replicas[self.next_replica]
+            self.next_replica = (self.next_replica + 1) % len(replicas)
+        else:
+            replica = min(replicas, key=lambda r: (r.outstanding, r.index))
+        replica.outstanding += 1
+        replica.pending.append(self.requests[i])
+        events = self.events
+        if events and events[0][0] == now and events[0][2] == _ARRIVAL:
+            return
+        for r in replicas:
+            if r.pending or r.in_flight == 0:
+                self.issue(r, now)
+
+    def issue(self, replica: _Replica, now: float) -> None:
+        """Plan and launch micro-batches until `replica` has pp in flight or no scheduler has one to run."""
+        pp = self.pp
+        progressed = True
+        while progressed and replica.in_flight < pp:
+            progressed = False
+            for slot in replica.slots:
+                if replica.in_flight >= pp:
+                    break
+                if slot.in_flight >= slot.max_in_flight:
+                    continue
+                batch = replica.plan(slot)
+                if batch is not None:
+                    self.launch(replica, slot, batch, now)
                     progressed = True
 
-        while heap:
-            now, _, kind, data = heapq.heappop(heap)
-            if kind == _ARRIVAL:
-                if cluster.dispatch == "round-robin":
-                    rep = replicas[rr]
-                    rr = (rr + 1) % len(replicas)
-                else:
-                    rep = min(replicas, key=lambda r: (r.outstanding, r.index))
-                rep.outstanding += 1
-                rep.pending.append(requests[data])
-                # Arrivals at one instant are all dispatched before any batch is planned.
-                if heap and heap[0][0] == now and heap[0][2] == _ARRIVAL:
-                    continue
-                for r in replicas:
-                    if r.pending_head < len(r.pending) or r.in_flight == 0:
-                        issue(r, now)
-                continue
-            rep, slot, batch = data
-            slot.in_flight -= 1
-            rep.in_flight -= 1
-            sampled = {}
-            for e in batch.entries:
-                if e.samples:
-                    req = e.request
-                    sampled[req.request_id] = 0
-                    j = req.sim_index
-                    prev = last_tok[j]
-                    if prev >= 0.0:
-                        tbt.append(now - prev)
-                    else:
-                        first[j] = now
-                    last_tok[j] = now
-            finished = slot.sched.on_batch_done(batch, sampled)
-            for r in finished:
-                finish[r.sim_index] = now
-                rep.outstanding -= 1
-            if finished:
-                done += len(finished)
-                if progress is not None:
-                    progress.update(len(finished))
-            makespan = now
-            issue(rep, now)
+    def launch(self, replica: _Replica, slot: _SchedulerSlot, batch: Batch, now: float) -> None:
+        """Price a planned batch, run it through the replica's stages and schedule its return."""
+        rows = batch.plan()
+        times, hop, flops = self.cost.batch_cost(rows)
+        replica.flops += flops
+        has_prefill = self.tally.issued(replica.index, batch, rows)
+        back, wait, by_class, idle = replica.pipeline.advance(now, times, hop, self.return_latency, has_prefill)
+        if wait or idle:
+            self.tally.charge(batch, wait, by_class, idle)
+        slot.in_flight += 1
+        replica.in_flight += 1
+        heapq.heappush(self.events, (back, self.seq, _RETURN, (replica, slot, batch)))
+        self.seq += 1
 
-        if done != n:
-            raise RuntimeError(f"simulation ended with {n - done} of {n} requests unfinished")
-        return SimResult(
-            num_requests=n, makespan_s=makespan, arrival_s=workload.arrival_s.copy(), first_token_s=np.array(first),
-            finish_s=np.array(finish), bubble_s=np.array(bubble), bubble_pb_s=np.array([pb1, pb2, pb3]).T.reshape(n, 3),
-            stage_idle_s=np.array(idle_charged),
-            tbt_s=np.asarray(tbt), batch_sizes=np.asarray(sizes), batch_tokens=np.asarray(tokens),
-            batch_prefill_tokens=np.asarray(prefill_tokens),
-            stage_busy_s=np.array([r.stage_busy for r in replicas]), flops=sum(r.flops for r in replicas),
-            num_preemptions=sum(s.sched.num_preemptions for r in replicas for s in r.slots), batches=traced,
-        )
+    def on_return(self, now: float, replica: _Replica, slot: _SchedulerSlot, batch: Batch) -> None:
+        """A micro-batch is back: its scheduler updates its requests, and the replica plans again."""
+        slot.in_flight -= 1
+        replica.in_flight -= 1
+        finished = slot.sched.on_batch_done(batch, self.tally.returned(batch, now))
+        if finished:
+            self.tally.finished(finished, now)
+            replica.outstanding -= len(finished)
+            self.done += len(finished)
+            if self.progress is not None:
+                self.progress.update(len(finished))
+        self.makespan = now
+        self.issue(replica, now)

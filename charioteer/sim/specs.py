@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from charioteer.memory.block_manager import kv_bytes_per_token
+from charioteer.model.config import ModelConfig
 from charioteer.model.shapes import LLAMA_SHAPES
+from charioteer.parallel import kv_heads_per_rank
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -47,31 +50,34 @@ class ModelShape:
     dtype_bytes: int = 2
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        _positive(f"model {self.name}", num_layers=self.num_layers, hidden_size=self.hidden_size,
-                  intermediate_size=self.intermediate_size, num_heads=self.num_heads,
-                  num_kv_heads=self.num_kv_heads, vocab_size=self.vocab_size, head_dim=self.head_dim,
-                  max_position=self.max_position, dtype_bytes=self.dtype_bytes)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+        _positive(f"model {self.name}", num_layers=self.num_layers, num_heads=self.num_heads,
+                  num_kv_heads=self.num_kv_heads, max_position=self.max_position, dtype_bytes=self.dtype_bytes)
+        # The engine's ModelConfig of the same shape: its head_dim default, checks and widths are ours.
+        config = ModelConfig(self.name, self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers,
+                             self.num_heads, self.num_kv_heads, head_dim=self.head_dim, max_position=self.max_position)
+        _positive(f"model {self.name}", head_dim=config.head_dim)
+        object.__setattr__(self, "head_dim", config.head_dim)
+        object.__setattr__(self, "_config", config)
         if self.mlp_matrices not in (2, 3):
             raise ValueError(f"model {self.name}: mlp_matrices must be 2 (GELU) or 3 (gated), got {self.mlp_matrices}")
 
     @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self._config.q_size
 
     @property
     def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        return self._config.kv_size
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer's linear layers (QKV, O, MLP); norms/biases ignored."""
-        h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_matrices * h * self.intermediate_size
+        """Parameters of one transformer layer's linear layers (QKV, O, MLP); norms/biases ignored.
+
+        ModelConfig counts 2 FLOPs per weight and token for a gated (3-matrix) MLP; a GELU MLP has
+        one matrix fewer.
+        """
+        gated = self._config.linear_flops_per_token() // (2 * self.num_layers)
+        return gated - (3 - self.mlp_matrices) * self.hidden_size * self.intermediate_size
 
     @property
     def embedding_params(self) -> int:
@@ -82,9 +88,16 @@ class ModelShape:
         """Layers + input embedding + LM head (untied)."""
         return self.num_layers * self.layer_params + 2 * self.embedding_params
 
-    def kv_bytes_per_token(self) -> int:
-        """m_kv: bytes of K and V for one token over all layers (whole model, unsharded)."""
-        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+    def kv_bytes_per_token(self, num_layers: int | None = None, tp: int = 1) -> int:
+        """m_kv: bytes of K and V for one token over `num_layers` layers (default all) on one of `tp` ranks."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return kv_bytes_per_token(layers, kv_heads_per_rank(self.num_kv_heads, tp), self.head_dim, self.dtype_bytes)
+
+    def check_tp(self, tp: int) -> None:
+        """Tensor parallelism splits the attention heads and the MLP width evenly."""
+        if self.num_heads % tp or self.intermediate_size % tp:
+            raise ValueError(f"model {self.name}: tp={tp} must divide num_heads ({self.num_heads}) and the MLP "
+                             f"width ({self.intermediate_size})")
 
 
 MODEL_PRESETS: dict[str, ModelShape] = {
@@ -94,33 +107,44 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 }
 
 
-def model_shape(spec: str | ModelShape | dict) -> ModelShape:
-    """A preset name, a ModelShape, a dict of fields, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'."""
-    if isinstance(spec, ModelShape):
+def _given_or_preset(spec, cls, presets: dict):
+    """`spec` if it is a `cls` already, one built from a dict of its fields, or the preset it names; else None."""
+    if isinstance(spec, cls):
         return spec
     if isinstance(spec, dict):
-        return ModelShape(**spec)
-    if spec in MODEL_PRESETS:
-        return MODEL_PRESETS[spec]
+        return cls(**spec)
+    return presets.get(spec)
+
+
+def model_shape(spec: str | ModelShape | dict) -> ModelShape:
+    """A preset name, a ModelShape, a dict of fields, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'."""
+    shape = _given_or_preset(spec, ModelShape, MODEL_PRESETS)
+    if shape is not None:
+        return shape
     if "=" in spec:
-        keys = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "intermediate_size",
-                "intermediate": "intermediate_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
-                "vocab": "vocab_size", "mlp": "mlp_matrices", "head_dim": "head_dim", "context": "max_position",
-                "dtype_bytes": "dtype_bytes"}
-        fields: dict = {"name": "custom", "vocab_size": 32000}
-        for part in spec.split(","):
-            key, _, value = part.partition("=")
-            key = key.strip()
-            if key not in keys:
-                raise ValueError(f"unknown model shape key {key!r}: use {', '.join(sorted(keys))}")
-            fields[keys[key]] = int(value)
-        fields.setdefault("num_kv_heads", fields.get("num_heads", 1))
-        missing = {"num_layers", "hidden_size", "intermediate_size", "num_heads"} - fields.keys()
-        if missing:
-            raise ValueError(f"model shape {spec!r} lacks {', '.join(sorted(missing))}")
-        return ModelShape(**fields)
+        return _parse_model_shape(spec)
     raise ValueError(f"unknown model {spec!r}: choose one of {', '.join(MODEL_PRESETS)} or give "
                      f"'layers=..,hidden=..,ffn=..,heads=..'")
+
+
+def _parse_model_shape(spec: str) -> ModelShape:
+    """'layers=..,hidden=..,ffn=..,heads=..[,...]' -> a ModelShape named 'custom'."""
+    keys = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "intermediate_size",
+            "intermediate": "intermediate_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+            "vocab": "vocab_size", "mlp": "mlp_matrices", "head_dim": "head_dim", "context": "max_position",
+            "dtype_bytes": "dtype_bytes"}
+    fields: dict = {"name": "custom", "vocab_size": 32000}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in keys:
+            raise ValueError(f"unknown model shape key {key!r}: use {', '.join(sorted(keys))}")
+        fields[keys[key]] = int(value)
+    fields.setdefault("num_kv_heads", fields.get("num_heads", 1))
+    missing = {"num_layers", "hidden_size", "intermediate_size", "num_heads"} - fields.keys()
+    if missing:
+        raise ValueError(f"model shape {spec!r} lacks {', '.join(sorted(missing))}")
+    return ModelShape(**fields)
 
 
 # ---- hardware ----------------------------------------------------------------------------------
@@ -179,12 +203,9 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 
 
 def hardware_spec(spec: str | HardwareSpec | dict) -> HardwareSpec:
-    if isinstance(spec, HardwareSpec):
-        return spec
-    if isinstance(spec, dict):
-        return HardwareSpec(**spec)
-    if spec in HARDWARE_PRESETS:
-        return HARDWARE_PRESETS[spec]
+    hardware = _given_or_preset(spec, HardwareSpec, HARDWARE_PRESETS)
+    if hardware is not None:
+        return hardware
     raise ValueError(f"unknown hardware {spec!r}: choose one of {', '.join(HARDWARE_PRESETS)}")
 
 
@@ -208,8 +229,8 @@ class ClusterConfig:
       with batch cap B and 1/pp of the KV cache; a slot plans its next batch when its last one returns.
     - "shared": one scheduler with cap pp*B and the whole KV cache; up to pp of its batches in flight.
       The engine's max_num_seqs caps running requests, not a batch, so a batch may hold up to pp*B.
-    - "shared-capped" (Orca's own PP design): as "shared", but the simulator shows the scheduler at
-      most B ready requests per planned batch (a workaround until SchedulerConfig has a per-batch cap).
+    - "shared-capped" (Orca's own PP design, the engine's `micro_batch_cap`): as "shared", but each
+      planned batch holds at most B requests (`Scheduler.schedule(max_requests=B)`).
     """
 
     replicas: int = 1

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from charioteer.sim.cost import CostModel, plan_of
+from charioteer.sim.cost import CostModel
 
 FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "small_batch_tokens",
             "prefill_attention", "decode_context")
@@ -116,22 +116,17 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
     Seconds are CPU seconds of the calling thread (see below)."""
     import torch
 
-    from charioteer.engine.llm_engine import EngineArgs, LLMEngine
+    from charioteer.config import EngineArgs
+    from charioteer.engine.llm_engine import LLMEngine
     from charioteer.memory.block_manager import cdiv
-    from charioteer.sampling_params import SamplingParams
+    from charioteer.request import SamplingParams
 
     torch.set_num_threads(1)  # steadier timings on a shared machine
     max_len = int((workload.prompt_len + workload.decode_len).max())
     engine = LLMEngine(EngineArgs(model=model, scheduler=policy, max_num_seqs=batch_cap, chunk_size=chunk_size,
                                   kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
-    plans = []
-    execute = engine.runner.execute
-
-    def timed_execute(batch, *args, **kwargs):  # records the plan; timing is per whole step below
-        plans.append(plan_of(batch))
-        return execute(batch, *args, **kwargs)
-
-    engine.runner.execute = timed_execute
+    steps = []
+    engine.subscribe(steps.append)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     # Warm-up on this engine: touch every KV block once (first-touch page faults would otherwise land
@@ -141,24 +136,17 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
                            SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), request_id=f"warm{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    plans.clear()
+    steps.clear()
     for i in range(len(workload)):
         ids = rng.integers(0, vocab, int(workload.prompt_len[i])).tolist()
         engine.add_request(ids, SamplingParams(max_tokens=int(workload.decode_len[i]), ignore_eos=True,
                                                temperature=0.0), request_id=str(i))
     # Times are this thread's CPU time (torch runs single-threaded here, in this thread): on an idle
     # machine that is the wall time, and on a shared one it leaves out time spent descheduled.
-    clock = time.thread_time
-    records = []
-    t0 = clock()
+    t0 = time.thread_time()
     while engine.has_unfinished_requests():
-        n = len(plans)
-        t = clock()
         engine.step()
-        dt = clock() - t
-        if len(plans) > n:
-            records.append((plans[-1], dt))
-    return records, clock() - t0
+    return [(step.plan, step.cpu_s) for step in steps], time.thread_time() - t0
 
 
 def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,

@@ -4,7 +4,9 @@ from __future__ import annotations
 import csv
 import json
 
-from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size, split_for_pd
+from charioteer.bench.common import add_setup_args, prepare_device, progress_bar
+from charioteer.config import CacheConfig, add_setting_args
+from charioteer.scheduling.chunk_size import TimingTable, recommend_chunk_size, split_for_pd
 
 
 def measure_table(setup, max_rows: int, seq_len: int, batch_size: int, repeats: int, progress=None) -> TimingTable:
@@ -34,40 +36,62 @@ def read_trace(path: str) -> tuple[float, float]:
     return p, d
 
 
-def cmd_tune(args) -> int:
-    from charioteer.bench import experiments as ex
-    from charioteer.bench.paper_cli import _progress, _start
-    from charioteer.memory.block_manager import batch_capacity, kv_bytes_per_token
-
+def check_args(args) -> None:
+    """Refuse a bad command line before anything is measured."""
     if (args.pd_ratio is None) == (args.trace is None):
         raise ValueError("give exactly one of --pd-ratio R or --trace FILE")
+    for flag, value in (("--max-rows", args.max_rows), ("--repeats", args.repeats), ("--max-seq-len", args.max_seq_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    largest = args.max_chunk_size or args.max_rows
+    if not 1 <= args.min_chunk_size <= largest:
+        raise ValueError(f"need 1 <= --min-chunk-size <= --max-chunk-size (or --max-rows), got {args.min_chunk_size}, "
+                         f"{largest}")
+
+
+def workload_lengths(args) -> tuple[float, float, int]:
+    """Mean prompt and output length, and the sequence length L, from --trace or --pd-ratio with --max-seq-len."""
     if args.trace:
         prompt_len, decode_len = read_trace(args.trace)
-        seq_len = round(prompt_len + decode_len)
+        return prompt_len, decode_len, round(prompt_len + decode_len)
+    prompt_len, decode_len = split_for_pd(args.max_seq_len, args.pd_ratio)
+    return prompt_len, decode_len, args.max_seq_len
+
+
+def timing_table(args, setup, seq_len: int, b: int) -> TimingTable:
+    """--table as saved, or measured here at batch size b; saved to --save-table if given."""
+    if args.table:
+        with open(args.table) as f:
+            table = TimingTable(**json.load(f))
     else:
-        seq_len = args.max_seq_len
-        prompt_len, decode_len = split_for_pd(seq_len, args.pd_ratio)
-    roof = _start(args)
+        with progress_bar(args.max_rows, "measuring") as bar:
+            table = measure_table(setup, args.max_rows, seq_len, b, args.repeats, bar)
+    if table.batch_size != b:
+        raise ValueError(f"the table was measured at B = {table.batch_size} and B here is {b}: pass --max-num-seqs "
+                         f"{table.batch_size} (and enough --kv-cache-memory-gb)")
+    if args.save_table:
+        with open(args.save_table, "w") as f:
+            json.dump(table.__dict__, f)
+    return table
+
+
+def cmd_tune(args) -> int:
+    from charioteer.bench import experiments as ex
+    from charioteer.memory.block_manager import batch_capacity, kv_bytes_per_token
+
+    check_args(args)
+    prompt_len, decode_len, seq_len = workload_lengths(args)
+    roof = prepare_device(args)
     setup = ex.make_setup(args.model, args.device, roof, args.num_layers,
                           max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows)
     c = setup.model.config
     kv_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 4)
     weights = setup.model.weight_bytes
-    from_memory = batch_capacity(int(args.kv_cache_memory_gb * (1 << 30)) + weights, weights, seq_len, kv_token)
-    b = args.batch_size or max(1, min(from_memory, args.max_num_seqs))
-    if args.table:
-        with open(args.table) as f:
-            saved = json.load(f)
-        table = TimingTable(**saved)
-    else:
-        with _progress(args.max_rows, "measuring") as bar:
-            table = measure_table(setup, args.max_rows, seq_len, b, args.repeats, bar)
-    if table.batch_size != b:
-        raise ValueError(f"the table was measured at batch size {table.batch_size}; pass --batch-size {table.batch_size}")
-    if args.save_table:
-        with open(args.save_table, "w") as f:
-            json.dump(table.__dict__, f)
-    rec = recommend_chunk_size(table, prompt_len, decode_len, args.min_chunk, args.max_chunk or args.max_rows)
+    kv_memory = CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb).memory_bytes
+    from_memory = batch_capacity(kv_memory + weights, weights, seq_len, kv_token)
+    b = max(1, min(from_memory, args.max_num_seqs))
+    table = timing_table(args, setup, seq_len, b)
+    rec = recommend_chunk_size(table, prompt_len, decode_len, args.min_chunk_size, args.max_chunk_size or args.max_rows)
     result = {
         "recommended_chunk_size": rec.chunk_size, "batch_capacity": b, "batch_capacity_from_memory": from_memory,
         "tile_size": table.tile_size, "steps": table.steps, "pd_ratio": round(prompt_len / decode_len, 3),
@@ -77,9 +101,15 @@ def cmd_tune(args) -> int:
     }
     if args.json:
         print(json.dumps(result))
-        return 0
+    else:
+        print_recommendation(result, rec, table, c.name, from_memory)
+    return 0
+
+
+def print_recommendation(result: dict, rec, table: TimingTable, model: str, from_memory: int) -> None:
+    prompt_len, decode_len, b = result["prompt_len"], result["decode_len"], result["batch_capacity"]
     best = rec.predicted_tok_s
-    print(f"model {c.name}; P = {prompt_len:g}, D = {decode_len:g} (P:D {prompt_len / decode_len:.2f}); batch capacity "
+    print(f"model {model}; P = {prompt_len:g}, D = {decode_len:g} (P:D {prompt_len / decode_len:.2f}); batch capacity "
           f"B = {b} (memory allows {from_memory}); tile: {table.tile_size or 'no step found'}")
     print(f"balanced C = (P/D)(B-1) = {rec.balanced_chunk_size:.1f}; recommended C = {rec.chunk_size} "
           f"(C + B - 1 = {rec.chunk_size + b - 1} rows), predicted {best:.1f} tokens/s")
@@ -90,30 +120,28 @@ def cmd_tune(args) -> int:
         bar = "#" * round(40 * point["predicted_tok_s"] / best)
         mark = "  <- recommended" if point["chunk_size"] == rec.chunk_size else ""
         print(f"C={point['chunk_size']:4d} {point['predicted_tok_s']:9.1f} tok/s {bar}{mark}")
-    return 0
 
 
 def add_tune_parser(sub) -> None:
-    from charioteer.bench.paper_cli import _add_common
-
     p = sub.add_parser("tune", help="measure the device and recommend SARATHI's chunk size for a workload",
                        description="Measure batch time for every row count up to --max-rows (finding any tile "
                                    "step), the batch capacity B from memory, and recommend the chunk size C with the "
                                    "best predicted throughput for the workload's P:D.")
-    _add_common(p)
+    add_setup_args(p)
     w = p.add_argument_group("workload")
     w.add_argument("--pd-ratio", type=float, default=None, help="prompt tokens per output token")
     w.add_argument("--trace", default=None, help="CSV with prompt_len and decode_len columns (instead of --pd-ratio)")
     w.add_argument("--max-seq-len", type=int, default=256, help="sequence length L with --pd-ratio (default: 256)")
     m = p.add_argument_group("capacity and search")
-    m.add_argument("--batch-size", type=int, default=None, help="B (default: from KV memory, at most --max-num-seqs)")
-    m.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV memory for B (default: 2)")
-    m.add_argument("--max-num-seqs", type=int, default=32, help="upper bound on B (default: 32)")
+    add_setting_args(m, ["max_num_seqs", "kv_cache_memory_gb", "min_chunk_size", "max_chunk_size"], overrides={
+        "max_num_seqs": dict(help="the batch cap B; B is the smaller of this and what --kv-cache-memory-gb holds "
+                                  "at length L"),
+        "kv_cache_memory_gb": dict(help="KV cache memory, GiB, that bounds B"),
+        "min_chunk_size": dict(default=8, help="smallest C considered (default: 8)"),
+        "max_chunk_size": dict(default=None, help="largest C considered (default: --max-rows)"),
+    })
     m.add_argument("--max-rows", type=int, default=160, help="measure batches of 1..N rows (default: 160)")
-    m.add_argument("--min-chunk", type=int, default=8, help="smallest C considered (default: 8)")
-    m.add_argument("--max-chunk", type=int, default=None, help="largest C considered (default: --max-rows)")
     m.add_argument("--repeats", type=int, default=3, help="timed runs per point (default: 3)")
     m.add_argument("--table", default=None, help="use a table saved by --save-table instead of measuring")
     m.add_argument("--save-table", default=None, help="save the measured table as JSON")
     p.set_defaults(func=cmd_tune)
-

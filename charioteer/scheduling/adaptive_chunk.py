@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import deque
 
-from charioteer.tune.chunk_size import TimingTable, recommend_chunk_size
+from charioteer.scheduling.chunk_size import TimingTable, recommend_chunk_size
 
 
 class AdaptiveChunkSize:

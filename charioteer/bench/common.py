@@ -1,0 +1,109 @@
+"""What the measuring commands share (`profile`, `tune`, `bench decode-speedup|e2e|...|adaptive|peers`):
+setup flags, device and roofline, the model to measure, progress bars and tables."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from charioteer.bench import experiments as ex
+from charioteer.config import add_setting_args, check_settings
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: comma-separated positive numbers."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def add_setup_args(p: argparse.ArgumentParser) -> None:
+    """--model, --num-layers, --device (engine settings), --threads, --refresh-roofline, --json."""
+    g = p.add_argument_group("setup")
+    add_setting_args(g, ["model", "num_layers", "device"], overrides={"model": dict(
+        help=f"model to measure (default: {ex.DEFAULT_BENCH_MODEL}, one LLaMA-7B layer); any --model of "
+             "`charioteer generate`, e.g. smollm2-135m")})
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    g.add_argument("--refresh-roofline", action="store_true", help="measure the roofline again instead of the cached one")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def prepare_device(args) -> dict:
+    """Check the settings, apply --threads, check --device, and return the device's roofline (printed on stderr)."""
+    check_settings(args)
+    import torch
+
+    from charioteer.bench.roofline import describe, roofline
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda given but torch sees no CUDA device here; use --device cpu")
+    roof = roofline(args.device, refresh=args.refresh_roofline)
+    print(describe(roof), file=sys.stderr)
+    return roof
+
+
+def load_setup(args, roof: dict, max_cached_tokens: int = 32768) -> ex.Setup:
+    """The model to measure (--model, --num-layers, --device), described on stderr."""
+    setup = ex.make_setup(args.model, args.device, roof, args.num_layers, max_cached_tokens)
+    c = setup.model.config
+    print(f"model: {c.name}, {c.num_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
+          f"vocab {c.vocab_size}, {args.device}, {ex.threads()} threads", file=sys.stderr)
+    return setup
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def run_meta(args, setup: ex.Setup, roof: dict) -> dict:
+    c = setup.model.config
+    return {"model": c.name, "layers": c.num_layers, "hidden_size": c.hidden_size, "device": args.device,
+            "threads": ex.threads(), "roofline": roof}
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[format_cell(r.get(col)) for col in columns] for r in rows]
+    widths = [max(len(col), *(len(row[i]) for row in cells)) for i, col in enumerate(columns)]
+    lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def format_cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def emit(args, result: dict, text: str) -> None:
+    """The result as one JSON object with --json, else the text."""
+    print(json.dumps(result) if args.json else text)
