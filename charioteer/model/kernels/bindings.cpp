@@ -1,7 +1,10 @@
 #include "kernels.h"
+#include "vec_math.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by avx512.pack");
+  m.attr("isa") = CHARIOTEER_ISA;
+  m.attr("panel_width") = panel_width();
+  m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by cpu_kernels.pack");
   m.def("decode_attention", &decode_attention, "one query token per request against its cached context");
   m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight");

@@ -23,7 +23,7 @@ constexpr int kMaxGroup = 4;  // query heads scored together against one read of
 constexpr int64_t kAhead = 8;  // K rows prefetched ahead of the score loop
 
 inline void prefetch_row(const float* row, int dim, int hint) {
-  for (int c = 0; c < dim; c += 16) {
+  for (int c = 0; c < dim; c += 16) {  // a 64-byte line each
     if (hint == 0) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
     else _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
   }
@@ -35,22 +35,22 @@ inline void prefetch_row(const float* row, int dim, int hint) {
 template <int Dim, int G>
 void attend_group(const float* q, int64_t q_stride, const float* k, const float* v, int64_t row_stride,
                   const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
-  constexpr int C = Dim / 16;
-  __m512 qv[G][C];
+  constexpr int C = Dim / kLanes;
+  Vec qv[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q + j * q_stride + 16 * c);
+    for (int c = 0; c < C; ++c) qv[j][c] = vload(q + j * q_stride + kLanes * c);
   float best[G];
   for (int j = 0; j < G; ++j) best[j] = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < length; ++t) {
     if (t + kAhead < length) prefetch_row(k + slots[t + kAhead] * row_stride, Dim, 0);
     prefetch_row(v + slots[t] * row_stride, Dim, 1);
     const float* kr = k + slots[t] * row_stride;
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    Vec kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = vload(kr + kLanes * c);
     for (int j = 0; j < G; ++j) {
-      __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
-      const float s = _mm512_reduce_add_ps(acc) * scale;
+      Vec acc = vmul(qv[j][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = vfma(qv[j][c], kv[c], acc);
+      const float s = vsum(acc) * scale;
       scores[j * length + t] = s;
       best[j] = std::max(best[j], s);
     }
@@ -58,30 +58,29 @@ void attend_group(const float* q, int64_t q_stride, const float* k, const float*
   float inv[G];
   for (int j = 0; j < G; ++j) {
     float* sj = scores + j * length;
-    const __m512 top = _mm512_set1_ps(best[j]);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; t += 16) {
-      const __mmask16 m = lanes(length - t);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sj + t), top));
-      _mm512_mask_storeu_ps(sj + t, m, e);
-      total = _mm512_mask_add_ps(total, m, total, e);
+    const Vec top = vset1(best[j]);
+    Vec total = vzero();
+    for (int64_t t = 0; t < length; t += kLanes) {
+      const Vec e = exp_ps(vsub(vload_n(sj + t, length - t), top));
+      vstore_n(sj + t, e, length - t);
+      total = vadd(total, vkeep_n(e, length - t));
     }
-    inv[j] = 1.f / _mm512_reduce_add_ps(total);
+    inv[j] = 1.f / vsum(total);
   }
-  __m512 acc[G][C];
+  Vec acc[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[j][c] = vzero();
   for (int64_t t = 0; t < length; ++t) {
     const float* vr = v + slots[t] * row_stride;
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    Vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(vr + kLanes * c);
     for (int j = 0; j < G; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j * length + t]);
-      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
+      const Vec p = vset1(scores[j * length + t]);
+      for (int c = 0; c < C; ++c) acc[j][c] = vfma(p, vv[c], acc[j][c]);
     }
   }
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + j * Dim + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+    for (int c = 0; c < C; ++c) vstore(out + j * Dim + kLanes * c, vmul(acc[j][c], vset1(inv[j])));
 }
 
 // All `heads` query heads that share one KV head, kMaxGroup at a time.

@@ -1,9 +1,11 @@
-// The kernels' entry points, shared by the Python bindings and the one-call decode layers.
+// The kernels' entry points, shared by the Python bindings and the one-call decode layers. Every
+// source is built twice, once per instruction set (vec_math.h), into two extension modules.
 #pragma once
 #include <torch/extension.h>
 
 #include <vector>
 
+int64_t panel_width();  // output columns per packed panel in this build
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
@@ -17,7 +19,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 // Every layer of a decode-only batch in one call (decode_layers.cpp).
 class DecodeLayers {
  public:
-  // Per layer: the two norm weights and the four weights packed into panels (avx512.pack).
+  // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack).
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);

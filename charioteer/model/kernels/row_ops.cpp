@@ -38,19 +38,17 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
     for (int64_t r = first; r < last; ++r) {
       float* xr = xp + r * xs;
       const float* dr = dp + r * ds;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = lanes(cols - c);
-        const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + c), _mm512_maskz_loadu_ps(m, dr + c));
-        _mm512_mask_storeu_ps(xr + c, m, v);
-        squares = _mm512_fmadd_ps(v, v, squares);
+      Vec squares = vzero();
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const Vec v = vadd(vload_n(xr + c, cols - c), vload_n(dr + c, cols - c));
+        vstore_n(xr + c, v, cols - c);
+        squares = vfma(v, v, squares);
       }
-      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + static_cast<float>(eps));
-      const __m512 scale = _mm512_set1_ps(inv);
-      for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = lanes(cols - c);
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + c), scale);
-        _mm512_mask_storeu_ps(op + r * cols + c, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, wp + c)));
+      const float inv = 1.f / std::sqrt(vsum(squares) / cols + static_cast<float>(eps));
+      const Vec scale = vset1(inv);
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const Vec v = vmul(vload_n(xr + c, cols - c), scale);
+        vstore_n(op + r * cols + c, vmul(v, vload_n(wp + c, cols - c)), cols - c);
       }
     }
   });
@@ -79,11 +77,11 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
       for (int64_t h = 0; h < heads; ++h) {
         const float* xh = xp + r * xs + h * dim;
         float* oh = op + (r * heads + h) * dim;
-        for (int64_t c = 0; c < dim; c += 16) {
+        for (int64_t c = 0; c < dim; c += kLanes) {
           const int64_t rolled = c < half ? c + half : c - half;
-          const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(xh + c), _mm512_loadu_ps(cp + r * cs + c));
-          const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(xh + rolled), _mm512_loadu_ps(sp + r * ss + c));
-          _mm512_storeu_ps(oh + c, _mm512_add_ps(a, b));
+          const Vec a = vmul(vload(xh + c), vload(cp + r * cs + c));
+          const Vec b = vmul(vload(xh + rolled), vload(sp + r * ss + c));
+          vstore(oh + c, vadd(a, b));
         }
       }
     }
@@ -101,14 +99,13 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
-    const __m512 one = _mm512_set1_ps(1.f);
+    const Vec one = vset1(1.f);
     for (int64_t r = first; r < last; ++r) {
       const float* g = gp + r * gs;
-      for (int64_t c = 0; c < inner; c += 16) {
-        const __mmask16 m = lanes(inner - c);
-        const __m512 a = _mm512_maskz_loadu_ps(m, g + c);
-        const __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-        _mm512_mask_storeu_ps(op + r * inner + c, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, g + inner + c)));
+      for (int64_t c = 0; c < inner; c += kLanes) {
+        const Vec a = vload_n(g + c, inner - c);
+        const Vec s = vdiv(a, vadd(one, exp_ps(vsub(vzero(), a))));
+        vstore_n(op + r * inner + c, vmul(s, vload_n(g + inner + c, inner - c)), inner - c);
       }
     }
   });
@@ -127,21 +124,21 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const float* row = lp + r * ls;
-      __m512 best = _mm512_set1_ps(-INFINITY);
-      __mmask16 nan = 0;
-      for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = lanes(cols - c);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + c);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        best = _mm512_max_ps(best, v);
+      const Vec lowest = vset1(-INFINITY);
+      Vec best = lowest;
+      uint32_t nan = 0;
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const Vec v = vload_n_or(row + c, cols - c, lowest);
+        nan |= nan_bits(v);
+        best = vmax(best, v);
       }
       int64_t index = 0;
       if (nan) {
         while (!std::isnan(row[index])) ++index;
       } else {
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-        for (int64_t c = 0; c < cols; c += 16) {
-          const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes(cols - c), _mm512_loadu_ps(row + c), top, _CMP_EQ_OQ);
+        const Vec top = vset1(vmax_of(best));
+        for (int64_t c = 0; c < cols; c += kLanes) {
+          const uint32_t hit = equal_bits(vload_n(row + c, cols - c), top, cols - c);
           if (hit) {
             index = c + __builtin_ctz(hit);
             break;
