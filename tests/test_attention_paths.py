@@ -7,7 +7,7 @@ import torch
 from charioteer import LLM, SamplingParams
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.memory.block_manager import BlockManager
-from charioteer.model import avx512, llama
+from charioteer.model import cpu_kernels, llama
 from charioteer.model.config import ModelConfig
 from charioteer.request import Request
 
@@ -52,7 +52,7 @@ def test_in_place_decode_matches_gathered(default_model, monkeypatch, kv_policy)
     _assert_same(in_place, gathered)
 
 
-@pytest.mark.skipif(not avx512.available(), reason=f"AVX-512 kernels: {avx512.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 @pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
 def test_fused_decode_attention_matches_gathered(default_model, monkeypatch, kv_policy):
     engine = dict(chunk_size=24, kv_policy=kv_policy)
@@ -71,7 +71,7 @@ class _CountingRunner:
         return self.runner.run(*args)
 
 
-@pytest.mark.skipif(not avx512.available(), reason=f"AVX-512 kernels: {avx512.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 @pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
 def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
@@ -165,8 +165,8 @@ def test_select_paths_table(monkeypatch):
         p = llama.select_paths(kernels, batch, kv, profiled)
         return p.decode_layers, p.decode_attention
 
-    assert paths(on, _batch(num_decodes=avx512.MAX_ROWS)) == (True, "kernel")
-    assert paths(on, _batch(num_decodes=avx512.MAX_ROWS + 1)) == (False, "kernel")
+    assert paths(on, _batch(num_decodes=cpu_kernels.MAX_ROWS)) == (True, "kernel")
+    assert paths(on, _batch(num_decodes=cpu_kernels.MAX_ROWS + 1)) == (False, "kernel")
     assert paths(on, _batch(num_decodes=4), profiled=True) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1, num_decodes=4)) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1)) == (False, None)
@@ -184,7 +184,7 @@ def test_kernels_choose_off_the_cpu_and_by_switch(monkeypatch):
                          num_kv_heads=1)
     assert llama.Kernels.choose(config, torch.device("cuda")) == llama.Kernels(False, False, False, False, False)
     cpu = llama.Kernels.choose(config, torch.device("cpu"))
-    assert cpu.panel_gemm == cpu.row_ops == cpu.decode_attention == cpu.decode_layers == avx512.available()
-    assert cpu.ops is (llama.Avx512RowOps if avx512.available() else llama.TorchRowOps)
+    assert cpu.panel_gemm == cpu.row_ops == cpu.decode_attention == cpu.decode_layers == cpu_kernels.available()
+    assert cpu.ops is (llama.NativeRowOps if cpu_kernels.available() else llama.TorchRowOps)
     monkeypatch.setenv("CHARIOTEER_PACKED_GEMM", "0")
     assert not llama.Kernels.choose(config, torch.device("cpu")).packed_gemm

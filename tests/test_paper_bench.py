@@ -128,24 +128,24 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
     from charioteer.bench.roofline import matmul_sweep
     from charioteer.model.llama import packed_gemm_available
 
-    from charioteer.model import avx512
+    from charioteer.model import cpu_kernels
 
-    rows = matmul_sweep("cpu", rows=(1, 8, avx512.MAX_ROWS + 1), shape=(64, 32), repeats=1)
-    assert [r["rows"] for r in rows] == [1, 8, avx512.MAX_ROWS + 1] and all(r["linear_gflops"] > 0 for r in rows)
+    rows = matmul_sweep("cpu", rows=(1, 8, cpu_kernels.MAX_ROWS + 1), shape=(64, 32), repeats=1)
+    assert [r["rows"] for r in rows] == [1, 8, cpu_kernels.MAX_ROWS + 1] and all(r["linear_gflops"] > 0 for r in rows)
     assert all("packed_gflops" in r for r in rows) == packed_gemm_available(__import__("torch").device("cpu"))
     # the panel kernel is timed only where the engine uses it
-    assert ["panel_gflops" in r for r in rows] == [avx512.available()] * 2 + [False]
+    assert ["panel_gflops" in r for r in rows] == [cpu_kernels.available()] * 2 + [False]
 
 
 def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     from charioteer.bench.roofline import decode_gemm_stream
 
-    from charioteer.model import avx512
+    from charioteer.model import cpu_kernels
 
     rows = decode_gemm_stream("cpu", rows=4, layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=300,
                               repeats=1)
     assert rows[0]["backend"] == "F.linear" and len({r["backend"] for r in rows}) == len(rows)
-    assert any(r["backend"].startswith("panel") for r in rows) == avx512.available()
+    assert any(r["backend"].startswith("panel") for r in rows) == cpu_kernels.available()
     assert all(r["lm_head_ms"] > 0 for r in rows)
     # 2 layers of QKV (128 x 64), O (64 x 64), gate/up (192 x 64) and down (64 x 96), fp32.
     expected_mb = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96) * 4 / 1e6

@@ -110,10 +110,10 @@ def roofline(device: str | torch.device = "cpu", refresh: bool = False) -> dict:
 def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
                  shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
     """GFLOP/s of y = x @ W.T by batch rows, for plain F.linear and, on CPU, MKL's packed GEMM and
-    the AVX-512 panel GEMM (the latter up to the rows the engine gives it)."""
+    the CPU kernels' panel GEMM (the latter up to the rows the engine gives it)."""
     import torch.nn.functional as F
 
-    from charioteer.model import avx512
+    from charioteer.model import cpu_kernels
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
 
     device = torch.device(device)
@@ -121,7 +121,7 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
     w = torch.randn(n, k, device=device)
     packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS)
               if packed_gemm_available(device) else None)
-    panels = avx512.pack(w) if device.type == "cpu" and avx512.available() else None
+    panels = cpu_kernels.pack(w) if device.type == "cpu" and cpu_kernels.available() else None
     out = []
     for m in rows:
         x = torch.randn(m, k, device=device)
@@ -130,8 +130,8 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
         if packed is not None:
             t = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m), device, repeats)
             row["packed_gflops"] = round(flops / t / 1e9, 1)
-        if panels is not None and m <= avx512.MAX_ROWS:
-            t = _best_time(lambda: avx512.linear(x, panels, n), device, repeats)
+        if panels is not None and m <= cpu_kernels.MAX_ROWS:
+            t = _best_time(lambda: cpu_kernels.linear(x, panels, n), device, repeats)
             row["panel_gflops"] = round(flops / t / 1e9, 1)
         out.append(row)
     return out
@@ -145,13 +145,13 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
     packed GEMM (the engine's path for 33-64 rows), the panel kernel (its path up to 32 rows,
-    charioteer.model.avx512) and oneDNN's packed linear where torch has them.
+    charioteer.model.cpu_kernels) and oneDNN's packed linear where torch has them.
     Reports the layers' time, the weight bytes read per second and GFLOP/s, and the LM head's
     time and GB/s on its own ([vocab, hidden], as tied to the embedding).
     """
     import torch.nn.functional as F
 
-    from charioteer.model import avx512
+    from charioteer.model import cpu_kernels
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
 
     device = torch.device(device)
@@ -175,8 +175,9 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
                 "lm_head_gbs": round(lm_head.numel() * 4 / t_head / 1e9, 1)}
 
     out = [timed("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w))]
-    if device.type == "cpu" and avx512.available():
-        out.append(timed("panel (AVX-512)", avx512.pack, lambda x, p, w: avx512.linear(x, p, w.shape[0])))
+    if device.type == "cpu" and cpu_kernels.available():
+        out.append(timed(f"panel ({cpu_kernels.chosen_isa()})", cpu_kernels.pack,
+                         lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0])))
     if packed_gemm_available(device):
         out.append(timed("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
                          lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows)))

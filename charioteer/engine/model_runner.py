@@ -8,7 +8,7 @@ import torch
 
 from charioteer.memory.block_manager import BlockManager
 from charioteer.model.llama import ForwardInput, KVCache, LlamaModel, PrefillSpan
-from charioteer.model import avx512
+from charioteer.model import cpu_kernels
 from charioteer.request import SamplingParams
 from charioteer.scheduling.base import Batch, BatchEntry
 
@@ -24,10 +24,10 @@ def top_logprobs(logprobs: torch.Tensor, k: int, chosen: int) -> dict[int, float
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (its first maximum); the AVX-512 kernel on CPU splits the rows over threads."""
+    """Each row's argmax (its first maximum); the CPU kernel splits the rows over threads."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(-1) == 1 and avx512.available()):
-        return avx512.argmax_rows(logits)
+            and logits.stride(-1) == 1 and cpu_kernels.available()):
+        return cpu_kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 

@@ -2,9 +2,9 @@
 
 The linear layers (fused QKV, O, fused gate/up, down) run once over every token of the batch.
 Attention runs per request against its own KV cache: each prefill chunk attends causally to its
-cached prefix and to itself (the paper's Figure 6); all decodes run as one call, on AVX-512 CPUs
-a kernel reading each context in place (charioteer.model.avx512), else SDPA.
-On AVX-512 CPUs a decode-only batch runs every layer in one C++ call of the same kernels.
+cached prefix and to itself (the paper's Figure 6); all decodes run as one call, on AVX-512 and AVX2
+CPUs a kernel reading each context in place (charioteer.model.cpu_kernels), else SDPA. There a
+decode-only batch runs every layer in one C++ call of the same kernels.
 
 Which code runs is decided in two places: `Kernels.choose`, once per model, and `select_paths`,
 once per batch (its docstring has the table).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from charioteer.model import avx512
+from charioteer.model import cpu_kernels
 from charioteer.model.config import ModelConfig
 from charioteer.runtime import tune_allocator
 
@@ -99,7 +99,7 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 class Linear:
     """y = x @ weight.T: the panel kernel up to 32 rows, MKL's packed GEMM up to 64, else F.linear.
 
-    Each path is used only where it is available (see avx512 and packed_gemm_available).
+    Each path is used only where it is available (see cpu_kernels and packed_gemm_available).
     """
 
     __slots__ = ("weight", "packed", "panels")
@@ -107,12 +107,12 @@ class Linear:
     def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
-        self.panels = avx512.pack(weight) if panels else None
+        self.panels = cpu_kernels.pack(weight) if panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.panels is not None and 0 < rows <= avx512.MAX_ROWS:
-            return avx512.linear(x, self.panels, self.weight.shape[0])
+        if self.panels is not None and 0 < rows <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
         return F.linear(x, self.weight)
@@ -147,8 +147,8 @@ class TorchRowOps:
         v_cache.index_copy_(0, slot_mapping, v)
 
 
-class Avx512RowOps:
-    """The same steps, one AVX-512 kernel call each (tests/test_avx512.py compares them with the torch ops)."""
+class NativeRowOps:
+    """The same steps, one CPU kernel call each (tests/test_cpu_kernels.py compares them with the torch ops)."""
 
     @staticmethod
     def residual(x: torch.Tensor) -> torch.Tensor:
@@ -156,41 +156,41 @@ class Avx512RowOps:
 
     @staticmethod
     def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-        return x, avx512.add_rms_norm_(x, delta, weight, eps)
+        return x, cpu_kernels.add_rms_norm_(x, delta, weight, eps)
 
-    rope = staticmethod(avx512.rope)
-    silu_mul = staticmethod(avx512.silu_mul)
-    store_kv = staticmethod(avx512.store_kv)
+    rope = staticmethod(cpu_kernels.rope)
+    silu_mul = staticmethod(cpu_kernels.silu_mul)
+    store_kv = staticmethod(cpu_kernels.store_kv)
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The optional kernels one model runs, fixed at its construction by `choose`."""
 
-    panel_gemm: bool  # Linear: AVX-512 panel GEMM for 1 to avx512.MAX_ROWS rows
+    panel_gemm: bool  # Linear: the panel GEMM for 1 to cpu_kernels.MAX_ROWS rows
     packed_gemm: bool  # Linear: MKL's packed sgemm for 1 to PACKED_GEMM_MAX_ROWS rows
-    row_ops: bool  # Avx512RowOps instead of TorchRowOps
-    decode_attention: bool  # avx512.decode_attention for a batch's decodes
+    row_ops: bool  # NativeRowOps instead of TorchRowOps
+    decode_attention: bool  # cpu_kernels.decode_attention for a batch's decodes
     decode_layers: bool  # a decode-only batch's every layer in one C++ call of the kernels above
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
-            raise ValueError("decode_layers runs the AVX-512 row ops and decode attention: it needs both")
+            raise ValueError("decode_layers runs the native row ops and decode attention: it needs both")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device) -> Kernels:
-        """The AVX-512 kernels on a CPU that runs them (see avx512.available; CHARIOTEER_AVX512=0
-        turns them off), each where the head size suits it; MKL's packed GEMM where torch has it,
-        unless CHARIOTEER_PACKED_GEMM=0."""
-        avx = device.type == "cpu" and avx512.available()
-        row_ops = avx and config.head_dim % 32 == 0
-        decode_attention = avx and config.head_dim in avx512.HEAD_DIMS
-        return cls(panel_gemm=avx, packed_gemm=packed_gemm_available(device), row_ops=row_ops,
+        """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
+        CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
+        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0."""
+        native = device.type == "cpu" and cpu_kernels.available()
+        row_ops = native and config.head_dim % 32 == 0
+        decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
+        return cls(panel_gemm=native, packed_gemm=packed_gemm_available(device), row_ops=row_ops,
                    decode_attention=decode_attention, decode_layers=row_ops and decode_attention)
 
     @property
-    def ops(self) -> type[TorchRowOps] | type[Avx512RowOps]:
-        return Avx512RowOps if self.row_ops else TorchRowOps
+    def ops(self) -> type[TorchRowOps] | type[NativeRowOps]:
+        return NativeRowOps if self.row_ops else TorchRowOps
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
 
     path                        taken when
     --------------------------  -----------------------------------------------------------------
-    decode_layers               kernels.decode_layers, a decode-only batch of 1 to avx512.MAX_ROWS
+    decode_layers               kernels.decode_layers, a decode-only batch of 1 to cpu_kernels.MAX_ROWS
                                 rows with decode_lengths, not profiled (hooks time the loop's ops)
     decode_attention "kernel"   kernels.decode_attention and decode_lengths given
     decode_attention "in_place" else, each decode's context is one run of slots and reading it in
@@ -217,7 +217,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
     """
     has_lengths = inp.decode_lengths is not None
     decode_layers = (kernels.decode_layers and not profiled and not inp.prefills and has_lengths
-                     and 0 < inp.num_decodes <= avx512.MAX_ROWS)
+                     and 0 < inp.num_decodes <= cpu_kernels.MAX_ROWS)
     if not inp.num_decodes:
         decode_attention = None
     elif kernels.decode_attention and has_lengths:
@@ -340,7 +340,7 @@ class LlamaModel:
         self.lm_head_linear = linear(self.lm_head) if self.lm_head is not None else None
         self.decode_layers = None
         if k.decode_layers:
-            self.decode_layers = avx512.decode_layers(
+            self.decode_layers = cpu_kernels.decode_layers(
                 [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
                 [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
                 [lin["gate_up"].panels for lin in self.linears], [lin["down"].panels for lin in self.linears],
@@ -453,7 +453,7 @@ class LlamaModel:
     # The decode paths of select_paths: q [D, heads, dim] of the batch's decodes, out its rows of the output.
 
     def _decode_kernel(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
-        avx512.decode_attention(q, k_cache, v_cache, inp.decode_slots, inp.decode_lengths,
+        cpu_kernels.decode_attention(q, k_cache, v_cache, inp.decode_slots, inp.decode_lengths,
                                 self.config.head_dim ** -0.5, out=out)
 
     def _decode_in_place(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ timing the real engine (this CPU), like the paper's simulator (profile, then fit
     t = c_batch                                   fixed per step: scheduling, sampling, Python
       + c_prefill_step * (1 if any prefill)       the op-by-op layer loop a step with a prompt chunk
                                                   runs; decode-only steps run every layer in one
-                                                  C++ call on AVX-512 CPUs, without it
+                                                  C++ call with the CPU kernels, without it
       + c_prefill_entry * prefill entries         per chunk: its attention call, its LM head row
       + c_prefill_token * prefill tokens          linear layers (QKV, O, MLP) per prompt token
       + c_decode_row * decodes                    per decode: its GEMM rows (weights already

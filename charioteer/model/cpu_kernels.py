@@ -1,0 +1,249 @@
+"""The CPU kernels of the decode step, for AVX-512 or AVX2 + FMA, built on first use.
+
+A decode step reads every weight once for a handful of rows, and every request's cached context
+once for one query token; both are bound by memory streams, and both pay for the way MKL and
+SDPA run such small shapes.
+
+- `linear`: y = x @ w.T for up to 32 rows. The weight is repacked once into panels of output
+  columns (32 for AVX-512, 24 for AVX2), one contiguous stream each, prefetched into L2. At 16
+  rows, on AVX-512, it reads SmolLM2's layer weights at about 19 GB/s against MKL's packed GEMM's
+  15, and the LM head 1.5x faster (`charioteer bench roofline --decode-stream`). Each output is
+  summed over k in order, so a row's result does not depend on the other rows of its batch.
+- `decode_attention`: each decode's query against its own context, read in place through its
+  slot list, with no padded copy of the contexts and one call for the whole batch.
+- Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
+  of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
+- `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
+
+The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
+their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
+cached. Which one runs is chosen when first used, by what the CPU executes:
+CHARIOTEER_CPU_KERNELS=avx512|avx2|off forces one (or none), auto (the default) takes the best
+(`AUTO`), and CHARIOTEER_AVX512=0 rules AVX-512 out. Without a usable one, `available()` is False
+and the model keeps MKL's GEMMs and SDPA. Every function takes `isa=` to run a given build
+instead of the chosen one (the tests run each build this CPU can execute).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ISAS = ("avx512", "avx2")  # best first
+AUTO = ("avx512", "avx2")  # what CHARIOTEER_CPU_KERNELS=auto may choose, best first
+MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-stream --rows N)
+HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
+
+_KERNELS = Path(__file__).parent / "kernels"
+_SOURCES = [_KERNELS / name for name in
+            ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp")]
+_HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h")]
+# No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
+# want FMAs ask for them by intrinsic).
+_COMMON_FLAGS = ["-O3", "-mfma", "-ffp-contract=off", "-fopenmp"]
+_FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"] + _COMMON_FLAGS,
+          "avx2": ["-mavx2"] + _COMMON_FLAGS}
+_CPUINFO_FLAGS = {"avx512": {"avx512f", "avx512vl", "avx512bw", "avx512dq", "fma"}, "avx2": {"avx2", "fma"}}
+_TORCH_CAPABILITY = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}  # torch's capabilities that include it
+_log = logging.getLogger(__name__)
+_modules: dict[str, object] = {}
+_build_errors: dict[str, str] = {}
+_chosen: tuple[str | None, str | None] | None = None  # (ISA, why none) once decided
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def cannot_run(isa: str) -> str | None:
+    """None when this CPU executes `isa`'s build, else why not. Torch's vector capability is
+    checked against /proc/cpuinfo's flags: both must include the instruction set."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _TORCH_CAPABILITY[isa]:
+        return f"the CPU's vector capability is {capability} (torch), which lacks {isa}"
+    flags = _cpuinfo_flags()
+    missing = sorted(_CPUINFO_FLAGS[isa] - flags) if flags is not None else []
+    if missing:
+        return f"/proc/cpuinfo lacks {' '.join(missing)}"
+    return None
+
+
+def choose_isa() -> tuple[str | None, str | None]:
+    """(the ISA to run, None) or (None, why none), from the environment and the CPU."""
+    setting = os.environ.get("CHARIOTEER_CPU_KERNELS", "auto").strip().lower()
+    if setting == "off":
+        return None, "disabled by CHARIOTEER_CPU_KERNELS=off"
+    if setting not in ISAS + ("auto",):
+        return None, f"CHARIOTEER_CPU_KERNELS={setting} is none of {', '.join(ISAS)}, off, auto"
+    candidates = (setting,) if setting != "auto" else AUTO
+    if os.environ.get("CHARIOTEER_AVX512", "1") == "0":
+        candidates = tuple(isa for isa in candidates if isa != "avx512")
+    reasons = []
+    for isa in candidates:
+        reason = cannot_run(isa)
+        if reason is None:
+            return isa, None
+        reasons.append(f"{isa}: {reason}")
+    return None, "; ".join(reasons) or "CHARIOTEER_AVX512=0 rules out the only candidate, avx512"
+
+
+def _build_directory(isa: str) -> Path:
+    """A cache folder per ISA, source, flags and torch version, so a changed kernel is never stale."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS[isa]).encode()
+                         + torch.__version__.encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "charioteer" / "kernels"
+    folder = cache / f"{isa}-{key.hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _build(isa: str):
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, when the venv's bin/ is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    folder = _build_directory(isa)
+    if not any(folder.glob("*.so")):
+        print(f"charioteer: building the {isa} CPU kernels (once, about 40 s)", file=sys.stderr)
+    return cpp_extension.load(f"charioteer_kernels_{isa}", [str(p) for p in _SOURCES], extra_cflags=_FLAGS[isa],
+                              build_directory=str(folder), verbose=False)
+
+
+def load_reason(isa: str) -> str | None:
+    """None when `isa`'s build can run here (building it once if need be), else why not."""
+    if isa in _modules or isa in _build_errors:
+        return _build_errors.get(isa)
+    reason = cannot_run(isa)
+    if reason is None:
+        try:
+            _modules[isa] = _build(isa)
+        except Exception as exc:  # noqa: BLE001 - no compiler or ninja: fall back to MKL and SDPA, say why once
+            reason = f"building them failed ({type(exc).__name__}: {str(exc).strip()[-300:]})"
+    if reason is not None:
+        _build_errors[isa] = reason
+    return reason
+
+
+def chosen_isa() -> str | None:
+    """The instruction set of the kernels the model runs, or None (see unavailable_reason)."""
+    global _chosen
+    if _chosen is None:
+        chosen, why = choose_isa()
+        if chosen is not None and (why := load_reason(chosen)) is not None:
+            chosen = None
+        _chosen = (chosen, why)
+        if why is not None:
+            _log.warning("CPU kernels not used, MKL's GEMMs and SDPA run instead: %s", why)
+    return _chosen[0]
+
+
+def unavailable_reason() -> str | None:
+    """None when the chosen kernels can run here, else why there are none."""
+    return None if chosen_isa() is not None else _chosen[1]
+
+
+def available() -> bool:
+    return chosen_isa() is not None
+
+
+def status() -> str:
+    """One line for setup: which kernels are ready, or why none."""
+    return f"{chosen_isa()} ready" if available() else f"none ({unavailable_reason()})"
+
+
+def _kernels(isa: str | None):
+    """The extension module of `isa`, or of the chosen ISA for None."""
+    if isa is None and chosen_isa() is None:
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    isa = isa or chosen_isa()
+    if load_reason(isa) is not None:
+        raise RuntimeError(f"the {isa} CPU kernels are not available: {load_reason(isa)}")
+    return _modules[isa]
+
+
+def pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """[N, K] weight -> [ceil(N/P), K, P] panels, zero-padded past N; P (the build's panel_width)
+    is 32 columns for AVX-512, 24 for AVX2."""
+    width = _kernels(isa).panel_width
+    n, k = weight.shape
+    num_panels = -(-n // width)
+    padded = weight.new_zeros(num_panels * width, k)
+    padded[:n] = weight
+    return padded.view(num_panels, width, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, n], with `panels` = pack(w) and n = w.shape[0]."""
+    return _kernels(isa).panel_linear(x, panels, n)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     isa: str | None = None) -> torch.Tensor:
+    """softmax(q K^T * scale) V per decode, K and V read in place: q [D, heads, dim] (rows may be
+    strided), caches [slots, kv_heads, dim], slots [D, width] (row d's first lengths[d] entries are
+    its context). Writes `out` (default a new [D, heads, dim] tensor) and returns it; query head h
+    reads KV head h // (heads / kv_heads)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _kernels(isa).decode_attention(q, k_cache, v_cache, slots, lengths, scale, out)
+    return out
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, isa: str | None = None) -> None:
+    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] (rows may be
+    strided): index_copy_ without its per-element indexing, which costs 20 us a call on cold cache rows."""
+    _kernels(isa).store_kv(k_cache, v_cache, slot_mapping, k, v)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                  isa: str | None = None) -> torch.Tensor:
+    """x += delta in place; returns weight * x / sqrt(mean(x^2) + eps) per row."""
+    return _kernels(isa).add_rms_norm_(x, delta, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """x [T, heads, dim] * cos [T, dim] + roll(x, dim/2) * signed_sin [T, dim], bitwise llama.apply_rope."""
+    return _kernels(isa).rope(x, cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """[T, 2I] fused gate/up projection -> silu(gate) * up, [T, I]."""
+    return _kernels(isa).silu_mul(gate_up)
+
+
+def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: list[torch.Tensor],
+                  ffn_norm: list[torch.Tensor], gate_up: list[torch.Tensor], down: list[torch.Tensor], *, heads: int,
+                  kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float, isa: str | None = None):
+    """A runner of every layer for decode-only batches, on the kernels above in one C++ call.
+
+    Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
+    fused gate/up and down weights. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
+    [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
+    """
+    return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, heads, kv_heads, head_dim,
+                                      intermediate, eps, scale)
+
+
+def argmax_rows(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """The first index of each row's maximum (NaN counts as the maximum, as in torch.argmax)."""
+    return _kernels(isa).argmax_rows(logits)

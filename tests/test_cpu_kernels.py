@@ -1,0 +1,271 @@
+"""The CPU kernels (charioteer/model/kernels/), each build this CPU can execute (AVX-512, AVX2):
+against float64 and torch's ops, the panel GEMM's batch invariance, and the model's outputs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from charioteer.model import cpu_kernels
+from charioteer.model.llama import Linear
+
+# Every build, skipped (with the reason) where this CPU cannot execute it or it does not build.
+each_isa = pytest.mark.parametrize("isa", [
+    pytest.param(isa, marks=pytest.mark.skipif(cpu_kernels.load_reason(isa) is not None,
+                                               reason=f"{isa} kernels: {cpu_kernels.load_reason(isa)}"))
+    for isa in cpu_kernels.ISAS])
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+@each_isa
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_matches_float64(rows, n, k, seed, isa):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    y = cpu_kernels.linear(x, cpu_kernels.pack(w, isa=isa), n, isa=isa)
+    assert y.shape == (rows, n)
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@each_isa
+def test_rows_do_not_depend_on_the_batch(isa):
+    """Sums run over k in order per output, so a row's bits are the same alone, shuffled or in any batch."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 1536, generator=g)  # K spans several 128-wide slices
+    x = torch.randn(32, 1536, generator=g)
+    panels = cpu_kernels.pack(w, isa=isa)
+    full = cpu_kernels.linear(x, panels, 200, isa=isa)
+    perm = torch.randperm(32, generator=g)
+    assert torch.equal(cpu_kernels.linear(x[perm], panels, 200, isa=isa), full[perm])
+    for i in (0, 7, 8, 31):
+        assert torch.equal(cpu_kernels.linear(x[i:i + 1], panels, 200, isa=isa)[0], full[i])
+    assert torch.equal(cpu_kernels.linear(x[3:20], panels, 200, isa=isa), full[3:20])
+
+
+@each_isa
+def test_non_contiguous_input_and_empty_batch(isa):
+    w, x = torch.randn(40, 64), torch.randn(64, 6)
+    panels = cpu_kernels.pack(w, isa=isa)
+    torch.testing.assert_close(cpu_kernels.linear(x.T, panels, 40, isa=isa), _reference(x.T, w))
+    wide = torch.randn(11, 100)  # rows read in place at their stride: the same bits as a copy
+    strided, copied = wide[:, 3:67], wide[:, 3:67].contiguous()
+    assert torch.equal(cpu_kernels.linear(strided, panels, 40, isa=isa), cpu_kernels.linear(copied, panels, 40, isa=isa))
+    assert cpu_kernels.linear(torch.empty(0, 64), panels, 40, isa=isa).shape == (0, 40)
+
+
+@each_isa
+def test_bad_shapes_are_refused(isa):
+    panels = cpu_kernels.pack(torch.randn(40, 64), isa=isa)
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64"):
+        cpu_kernels.linear(torch.randn(2, 63), panels, 40, isa=isa)
+    with pytest.raises(RuntimeError, match="n out of range"):
+        cpu_kernels.linear(torch.randn(2, 64), panels, 65, isa=isa)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+def test_linear_routes_by_rows():
+    """Up to cpu_kernels.MAX_ROWS rows run on the chosen build's panel kernel; more go to MKL's kernels."""
+    w = torch.randn(96, 128)
+    lin = Linear(w, pack=False, panels=True)
+    small = torch.randn(cpu_kernels.MAX_ROWS, 128)
+    assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96))
+    large = torch.randn(cpu_kernels.MAX_ROWS + 1, 128)
+    assert torch.equal(lin(large), torch.nn.functional.linear(large, w))
+
+
+def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
+    """Per decode, float64 SDPA over its own context rows."""
+    group = q.shape[1] // k_cache.shape[1]
+    out = []
+    for d in range(q.shape[0]):
+        rows = slots[d, : lengths[d]]
+        k = k_cache[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
+        v = v_cache[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[d].double()[:, None], k, v)[:, 0])
+    return torch.stack(out).float()
+
+
+@each_isa
+@settings(max_examples=40, deadline=None)
+@given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 6, 8]),
+       dim=st.sampled_from(cpu_kernels.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1))
+def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed, isa):
+    g = torch.Generator().manual_seed(seed)
+    num_slots = decodes * width + 1
+    k_cache, v_cache = torch.randn(num_slots, kv_heads, dim, generator=g), torch.randn(num_slots, kv_heads, dim, generator=g)
+    # q as the model passes it: a strided view of the fused QKV rows (peaked softmaxes too)
+    q = (torch.randn(decodes, kv_heads * group + 2, dim, generator=g) * 3)[:, 1:1 + kv_heads * group]
+    lengths = torch.randint(1, width + 1, (decodes,), generator=g)
+    lengths[0] = width
+    slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, isa=isa)
+    torch.testing.assert_close(out, _sdpa_reference(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
+    into = torch.full((decodes + 1, *q.shape[1:]), float("nan"))
+    assert cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, out=into[1:],
+                                        isa=isa) is not None
+    assert torch.equal(into[1:], out) and into[0].isnan().all()
+
+
+@each_isa
+def test_decode_attention_ignores_padding_and_refuses_bad_slots(isa):
+    k_cache, v_cache = torch.randn(10, 1, 64), torch.randn(10, 1, 64)
+    q = torch.randn(2, 2, 64)
+    slots = torch.tensor([[3, 4, 5], [7, 9, 9]])  # row 1 is padded past its length
+    lengths = torch.tensor([3, 1])
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125, isa=isa)
+    torch.testing.assert_close(out[1], v_cache[7].expand(2, 64))  # one key: the softmax is 1
+    k_cache[9] = float("nan")  # what padding points at must never be read
+    assert torch.equal(cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125, isa=isa), out)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 4, 10], [7, 9, 9]]), lengths, 0.125,
+                                     isa=isa)
+    with pytest.raises(RuntimeError, match="length out of range"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, slots, torch.tensor([4, 1]), 0.125, isa=isa)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        cpu_kernels.decode_attention(torch.randn(2, 2, 32), torch.randn(10, 1, 32), torch.randn(10, 1, 32), slots,
+                                     lengths, 1.0, isa=isa)
+
+
+@each_isa
+def test_store_kv_is_index_copy(isa):
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64, generator=g)
+    qkv = torch.randn(5, 15, 64, generator=g)  # 9 query heads, then K and V: strided rows
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([7, 0, 19, 3, 8])
+    want_k, want_v = k_cache.clone().index_copy_(0, slots, k), v_cache.clone().index_copy_(0, slots, v)
+    cpu_kernels.store_kv(k_cache, v_cache, slots, k, v, isa=isa)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.store_kv(k_cache, v_cache, torch.tensor([7, 0, 20, 3, 8]), k, v, isa=isa)
+    assert torch.equal(k_cache, want_k)  # refused before anything was written
+    with pytest.raises(RuntimeError, match="slot_mapping must be"):
+        cpu_kernels.store_kv(k_cache, v_cache, slots[:4], k, v, isa=isa)
+
+
+@each_isa
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 700), seed=st.integers(0, 2**31 - 1))
+def test_add_rms_norm_matches_the_formula(rows, cols, seed, isa):
+    from charioteer.model.llama import rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x, delta, w = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
+    expected_x = x + delta
+    h = cpu_kernels.add_rms_norm_(x, delta, w, 1e-5, isa=isa)
+    assert torch.equal(x, expected_x)  # the residual add is exact and in place
+    torch.testing.assert_close(h, rms_norm(expected_x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@each_isa
+def test_rope_is_bitwise_the_formula(isa):
+    from charioteer.model.llama import apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    for dim in (64, 128):
+        qkv = torch.randn(13, 7 * dim, generator=g)
+        qk = qkv[:, : 5 * dim].view(13, 5, dim)  # strided rows, as sliced from the fused projection
+        cos, sin = torch.randn(13, dim, generator=g), torch.randn(13, dim, generator=g)
+        assert torch.equal(cpu_kernels.rope(qk, cos, sin, isa=isa), apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)))
+
+
+@each_isa
+def test_silu_mul_matches_torch(isa):
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * 1000, generator=g) * 8  # reaches far into both tails of the sigmoid
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up, isa=isa), torch.nn.functional.silu(gate) * up,
+                               rtol=2e-6, atol=1e-6)
+
+
+@each_isa
+def test_argmax_rows_is_torch_argmax(isa):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 1000 + 7, generator=g)
+    logits[1, 5] = logits[1, 900] = 50.0  # a tie: the first index wins
+    logits[2, 1006] = 60.0  # in the tail past the last full vector
+    logits[3, 10] = float("nan")  # NaN counts as the maximum
+    logits[3, 20] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 77] = float("inf")
+    assert torch.equal(cpu_kernels.argmax_rows(logits, isa=isa), logits.argmax(dim=-1))
+    assert cpu_kernels.argmax_rows(torch.randn(0, 10), isa=isa).shape == (0,)
+
+
+def test_greedy_takes_any_layout():
+    from charioteer.engine.model_runner import greedy
+
+    logits = torch.randn(50, 7)
+    assert torch.equal(greedy(logits.T), logits.T.argmax(dim=-1))  # strided rows: torch's argmax
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+
+
+def test_choice_follows_the_environment(monkeypatch):
+    """CHARIOTEER_CPU_KERNELS forces a build or none; CHARIOTEER_AVX512=0 rules AVX-512 out."""
+    runnable = [isa for isa in cpu_kernels.ISAS if cpu_kernels.cannot_run(isa) is None]
+    monkeypatch.delenv("CHARIOTEER_AVX512", raising=False)
+    for setting, want in [("off", None), ("auto", ([isa for isa in cpu_kernels.AUTO if isa in runnable] + [None])[0])]:
+        monkeypatch.setenv("CHARIOTEER_CPU_KERNELS", setting)
+        assert cpu_kernels.choose_isa()[0] == want
+    for isa in cpu_kernels.ISAS:
+        monkeypatch.setenv("CHARIOTEER_CPU_KERNELS", isa)
+        chosen, why = cpu_kernels.choose_isa()
+        assert (chosen, why) == ((isa, None) if isa in runnable else (None, f"{isa}: {cpu_kernels.cannot_run(isa)}"))
+    monkeypatch.setenv("CHARIOTEER_CPU_KERNELS", "avx512")
+    monkeypatch.setenv("CHARIOTEER_AVX512", "0")
+    assert cpu_kernels.choose_isa()[0] is None
+    monkeypatch.setenv("CHARIOTEER_CPU_KERNELS", "sse")
+    assert "none of avx512, avx2, off, auto" in cpu_kernels.choose_isa()[1]
+
+
+_GENERATE = """
+import json
+import sys
+sys.path.insert(0, {tests!r})
+from texts import PASSAGE
+from charioteer import LLM, SamplingParams
+from charioteer.model import cpu_kernels
+words = PASSAGE.split()
+prompts = [" ".join(words[:n]) for n in (12, 40, 75, 110, 20)]
+llm = LLM(max_num_seqs=4, chunk_size=32)  # the default model: chunks mixed with decodes, and decode-only steps
+outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, logprobs=1))
+print(json.dumps({{"isa": cpu_kernels.chosen_isa(), "tokens": [o.outputs[0].token_ids for o in outs],
+                  "logprobs": [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                               for o in outs]}}))
+"""
+
+
+def _generate(setting: str) -> dict:
+    """The default model's greedy tokens and their logprobs, in a process with CHARIOTEER_CPU_KERNELS=setting."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, CHARIOTEER_CPU_KERNELS=setting)
+    env.pop("CHARIOTEER_AVX512", None)
+    script = _GENERATE.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fallback_outputs() -> dict:
+    return _generate("off")
+
+
+@each_isa
+def test_each_build_gives_the_fallbacks_greedy_outputs(fallback_outputs, isa):
+    """The default model on each build (as forced on any CPU that runs it) against MKL and SDPA alone
+    (CHARIOTEER_CPU_KERNELS=off, as on a CPU without AVX2 or a compiler): the same greedy tokens."""
+    native = _generate(isa)
+    assert native["isa"] == isa and fallback_outputs["isa"] is None
+    assert native["tokens"] == fallback_outputs["tokens"]
+    for a, b in zip(native["logprobs"], fallback_outputs["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-3)
