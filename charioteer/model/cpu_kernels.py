@@ -44,8 +44,9 @@ _SOURCES = [_KERNELS / name for name in
             ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp")]
 _HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h")]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
-# want FMAs ask for them by intrinsic).
-_COMMON_FLAGS = ["-O3", "-mfma", "-ffp-contract=off", "-fopenmp"]
+# want FMAs ask for them by intrinsic). Hidden symbols: both builds define the same C++ names, and
+# each module must call its own when both are loaded (the tests load every build).
+_COMMON_FLAGS = ["-O3", "-mfma", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]
 _FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"] + _COMMON_FLAGS,
           "avx2": ["-mavx2"] + _COMMON_FLAGS}
 _CPUINFO_FLAGS = {"avx512": {"avx512f", "avx512vl", "avx512bw", "avx512dq", "fma"}, "avx2": {"avx2", "fma"}}

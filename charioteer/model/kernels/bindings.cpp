@@ -10,7 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight");
   m.def("rope", &rope, "x * cos + roll(x) * signed_sin, bitwise the formula");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
-  py::class_<DecodeLayers>(m, "DecodeLayers")
+  py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t,
                     int64_t, int64_t, double, double>())
