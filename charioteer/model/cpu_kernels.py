@@ -18,8 +18,8 @@ SDPA run such small shapes.
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
 their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
 cached. Which one runs is chosen when first used, by what the CPU executes:
-CHARIOTEER_CPU_KERNELS=avx512|avx2|off forces one (or none), auto (the default) takes the best
-(`AUTO`), and CHARIOTEER_AVX512=0 rules AVX-512 out. Without a usable one, `available()` is False
+CHARIOTEER_CPU_KERNELS=avx512|avx2|off forces one (or none), auto (the default) takes the best,
+and CHARIOTEER_AVX512=0 rules AVX-512 out. Without a usable one, `available()` is False
 and the model keeps MKL's GEMMs and SDPA. Every function takes `isa=` to run a given build
 instead of the chosen one (the tests run each build this CPU can execute).
 """
@@ -34,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-ISAS = ("avx512", "avx2")  # best first
-AUTO = ("avx512", "avx2")  # what CHARIOTEER_CPU_KERNELS=auto may choose, best first
+ISAS = ("avx512", "avx2")  # best first: CHARIOTEER_CPU_KERNELS=auto takes the first this CPU runs
 MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-stream --rows N)
 HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 
@@ -89,7 +88,7 @@ def choose_isa() -> tuple[str | None, str | None]:
         return None, "disabled by CHARIOTEER_CPU_KERNELS=off"
     if setting not in ISAS + ("auto",):
         return None, f"CHARIOTEER_CPU_KERNELS={setting} is none of {', '.join(ISAS)}, off, auto"
-    candidates = (setting,) if setting != "auto" else AUTO
+    candidates = (setting,) if setting != "auto" else ISAS
     if os.environ.get("CHARIOTEER_AVX512", "1") == "0":
         candidates = tuple(isa for isa in candidates if isa != "avx512")
     reasons = []
