@@ -257,7 +257,7 @@ def cost(rows, samples: int | None = None) -> float:
 
 def predicted_time(steps) -> float:
     """Predicted completion time of a recorded run: each batch priced from its plan."""
-    return sum(COST.batch_cost(s.plan, sum(e.samples for e in s.entries))[0][0] for s in steps)
+    return sum(COST.batch_cost(s.plan(), sum(e.samples for e in s.entries))[0][0] for s in steps)
 
 
 def ideal_gain() -> float:
