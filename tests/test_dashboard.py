@@ -5,6 +5,7 @@ install commands. The trace and stall-accounting tests need no browser.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -18,7 +19,7 @@ from charioteer.cli import main
 from charioteer.engine.step_record import EntryRecord, StepRecord
 from charioteer.engine.trace import TraceRecorder, load_trace
 from charioteer.serving.api import ServerConfig
-from charioteer.serving.dashboard import Compactor, latency_from_records, render_html
+from charioteer.serving.dashboard import Compactor, DashboardHub, latency_from_records, render_html
 
 try:
     from playwright.sync_api import sync_playwright
@@ -76,6 +77,38 @@ def test_latency_from_records():
             _rec(2, [("a", 9, 1, False, True)], finished=("a",), duration=0.25)]
     ttft, tbt = latency_from_records(recs)
     assert ttft == [0.5] and tbt == [pytest.approx(0.75), pytest.approx(1.0)]
+
+
+def test_hub_decimates_and_drops_the_oldest_updates_of_a_slow_client():
+    async def run():
+        hub = DashboardHub(max_rate=10, max_client_updates=3)
+        hub.start(asyncio.get_running_loop())
+        slow = hub.connect()  # never reads: starts with the snapshot queued
+
+        def engine_thread():
+            for i in range(400):
+                hub.observe_step(_rec(i, [("a", i, 1, False, True)], running=1))
+                if i % 40 == 0:
+                    hub.observe_request(0.05, [0.01, 0.02])
+                time.sleep(0.0025)
+
+        thread = threading.Thread(target=engine_thread)
+        start = time.monotonic()
+        thread.start()
+        while thread.is_alive():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        elapsed = time.monotonic() - start
+        assert [r["i"] for r in hub.rows] == list(range(400)) and len(hub.ttft) == 10 and len(hub.tbt) == 20
+        assert 2 <= hub.num_updates <= 10 * elapsed + 2  # at most ~10 a second, not one per record
+        assert len(slow.updates) == 3 and b'"snapshot":true' not in slow.updates[0]  # the oldest went
+        last = json.loads(slow.updates[-1][len(b"data: "):])
+        assert last["rows"][-1]["i"] == 399
+        hub.disconnect(slow)
+        assert not hub.clients and slow.closed
+        hub.stop()
+
+    asyncio.run(run())
 
 
 def test_trace_recorder_round_trips(tiny_model, tmp_path):

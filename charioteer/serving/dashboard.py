@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 from importlib import resources
 
 from starlette.responses import Response
 
 from charioteer.engine.step_record import StepRecord
+
+log = logging.getLogger("charioteer.serving")
 
 DATA_MARKER = "/*__DASHBOARD_DATA__*/null"  # replaced by the embedded data in an offline page
 
@@ -209,7 +212,11 @@ class DashboardHub:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            update = self._collect()
+            try:
+                update = self._collect()
+            except Exception:  # pragma: no cover - a bug; keep serving the rest
+                log.exception("dashboard update failed")
+                update = None
             if update is not None and self.clients:
                 message = _sse_message(update)
                 for client in self.clients:
