@@ -156,7 +156,9 @@ def test_a_rate_above_the_peak_remeasures_and_mfu_stays_at_most_1(fake_machine, 
     assert fake_machine["peak_calls"] == 2 and roof["peak_matmul_gflops"] == 150.0
     assert values == [pytest.approx(0.8), pytest.approx(0.2)]
     assert "measuring the peak again" in capsys.readouterr().err
-    assert rl.roofline("cpu")["peak_matmul_gflops"] == 150.0  # stored for the next command
+    stored = rl.roofline("cpu")
+    assert stored["peak_matmul_gflops"] == 150.0 and stored["cached"]  # stored for the next command,
+    assert "peak_raised_from_gflops" not in stored  # which did not raise it
     # A rate that beats even the fresh measurement becomes the peak itself.
     fake_machine["peak"] = 140e9
     values = rl.mfu(roof, [(180e9, 1.0), (90e9, 1.0)])
