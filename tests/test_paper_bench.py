@@ -167,12 +167,46 @@ def test_paper_quick_writes_report_plots_and_json(capsys, tmp_path):
 
 
 def test_paper_plan_repeats_and_steps():
-    from charioteer.bench.experiments import paper_plan, paper_steps
+    from charioteer.bench.experiments import paper_plan, paper_steps, shared_e2e
 
     full, quick = paper_plan(False), paper_plan(True)
     assert all(args["repeats"] >= 2 for plan in (full, quick) for args in plan.values())
     assert all(args["repeats"] == 4 for args in paper_plan(True, 4).values())
     assert paper_steps(quick) < paper_steps(full)
+    assert shared_e2e(full)  # Figure 13c reuses the e2e runs at the balanced points
+
+
+def test_chunk_ablation_reuses_e2e_runs_at_the_same_point(tiny_model, monkeypatch):
+    """Given e2e rows at a chunk size's balanced P:D, the ablation takes their samples instead of running
+    the engine again (run_e2e would fail here); other chunk sizes still run (counted, faked)."""
+    from charioteer.bench import experiments as ex
+
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict)
+    setup = ex.Setup(tiny_model, model, BatchTimer(model, 1024), "cpu", {"peak_matmul_gflops": 1e6})
+    ran = []
+
+    def fake_run_e2e(loaded, policy, c, batch_size, workload, device="cpu", op_breakdown=False, tile_size=None):
+        ran.append((policy, c))
+        return {"policy": policy, "chunk_size": c, "pd_ratio": round(workload.pd_ratio, 3), "batch_size": batch_size,
+                "seq_len": workload.seq_len, "prompt_len": workload.prompt_len, "decode_len": workload.decode_len,
+                "num_requests": workload.num_requests, "elapsed_s": 1.0, "throughput_tok_s": 100.0, "batches": 1,
+                "prefill_only_batches": 0, "decode_only_batches": 0, "hybrid_batches": 1,
+                "piggybacked_decode_fraction": 1.0}
+
+    monkeypatch.setattr(ex, "run_e2e", fake_run_e2e)
+    pd = round(balanced_pd(8, 3), 3)
+    known = {"seq_len": 32, "batch_size": 3, "num_requests": 4, "rows": [
+        {"policy": "request-level", "chunk_size": None, "pd_ratio": pd, "throughput_tok_s": 10.0,
+         "throughput_tok_s_spread": [9.0, 11.0], "throughput_tok_s_samples": [9.0, 10.0, 11.0]},
+        {"policy": "sarathi", "chunk_size": 8, "pd_ratio": pd, "throughput_tok_s": 20.0,
+         "throughput_tok_s_spread": [19.0, 21.0], "throughput_tok_s_samples": [19.0, 20.0, 21.0]}]}
+    out = ex.chunk_ablation(setup, seq_len=32, chunk_sizes=(8, 16), batch_size=3, num_requests=4, repeats=2,
+                            e2e_result=known)
+    rows = {r["chunk_size"]: r for r in out["rows"]}
+    assert rows[8]["e2e_runs_from"] == "e2e" and rows[8]["e2e_speedup"] == 2.0 and rows[8]["e2e_verdict"] == "faster"
+    assert "e2e_runs_from" not in rows[16] and rows[16]["e2e_verdict"] == "not distinguishable"
+    assert ran.count(("request-level", 16)) == ran.count(("sarathi", 16)) == 2  # C = 16 runs, interleaved
+    assert ("request-level", 8) not in ran  # C = 8 did not (the warm-up is one sarathi run)
 
 
 def test_matmul_sweep_reports_plain_and_packed_gemm():

@@ -314,14 +314,16 @@ def workload_flops(setup: Setup, workload: Workload) -> float:
 
 
 def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(17, 33, 49, 64, 96, 128), batch_size: int = 16,
-                   num_requests: int = 64, repeats: int = 3, with_e2e: bool = True, progress=None) -> dict:
+                   num_requests: int = 64, repeats: int = 3, with_e2e: bool = True, progress=None,
+                   e2e_result: dict | None = None) -> dict:
     """Prefill attention time and total prefill time of a chunked prompt against the whole prompt
     (Figure 13a, b), and end-to-end throughput at each chunk's balanced P:D (Figure 13c).
 
     The whole prompt and every chunk of every chunk size are timed in the same rounds, interleaved;
     a chunk size's time in a round is the sum of its chunks'. Speedups are whole over chunked, as
     ratios of medians with their spreads; the e2e part runs request-level and sarathi `repeats`
-    times each, interleaved.
+    times each, interleaved, unless `e2e_result` (an `e2e()` result of the same L, B and request
+    count) already holds both at that chunk size's balanced P:D: then its runs are used.
     """
     shapes = {"whole": BatchShape(prefills=((seq_len, 0),))}
     for c in chunk_sizes:
@@ -330,7 +332,8 @@ def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(17, 33, 49, 64
             shapes[(c, start)] = BatchShape(prefills=((n, start),), prefills_sample=start + n == seq_len)
     t = setup.timer.time_interleaved(shapes, repeats, after_each=_tick(progress))
     whole, whole_attention = t["whole"].samples_s, t["whole"].op_samples("attention")
-    if with_e2e:
+    if with_e2e and any(_known_e2e(e2e_result, Workload(seq_len, balanced_pd(c, batch_size), num_requests), c,
+                                   batch_size) is None for c in chunk_sizes):
         warm_up(setup, seq_len, batch_size)
     rows = []
     for c in chunk_sizes:
@@ -344,9 +347,14 @@ def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(17, 33, 49, 64
         compare(row, "prefill_speedup", total, whole, higher_is_better=False)
         if with_e2e:
             workload = Workload(seq_len, balanced_pd(c, batch_size), num_requests)
-            runs = e2e_runs(setup, [("request-level", c), ("sarathi", c)], batch_size, workload, repeats,
-                            progress=progress)
-            base, mine = runs[("request-level", c)], runs[("sarathi", c)]
+            known = _known_e2e(e2e_result, workload, c, batch_size)
+            if known:
+                base, mine = known
+                row["e2e_runs_from"] = "e2e"
+            else:
+                runs = e2e_runs(setup, [("request-level", c), ("sarathi", c)], batch_size, workload, repeats,
+                                progress=progress)
+                base, mine = runs[("request-level", c)], runs[("sarathi", c)]
             row.update({"pd_ratio": round(workload.pd_ratio, 2), "sarathi_tok_s": mine["throughput_tok_s"],
                         "sarathi_tok_s_spread": mine["throughput_tok_s_spread"],
                         "request_level_tok_s": base["throughput_tok_s"],
@@ -361,9 +369,21 @@ def chunk_ablation(setup: Setup, seq_len: int = 256, chunk_sizes=(17, 33, 49, 64
     return out
 
 
-def chunk_ablation_steps(seq_len: int, chunk_sizes, repeats: int, with_e2e: bool) -> int:
+def _known_e2e(e2e_result: dict | None, workload: Workload, c: int, batch_size: int) -> tuple[dict, dict] | None:
+    """(request-level row, sarathi row) of an e2e() result at exactly this workload and chunk size, if it has both."""
+    if not e2e_result or (e2e_result["seq_len"], e2e_result["batch_size"], e2e_result["num_requests"]) != (
+            workload.seq_len, batch_size, workload.num_requests):
+        return None
+    at = [r for r in e2e_result["rows"] if r["pd_ratio"] == round(workload.pd_ratio, 3)]
+    base = next((r for r in at if r["policy"] == "request-level"), None)
+    mine = next((r for r in at if r["policy"] == "sarathi" and r["chunk_size"] == c), None)
+    return (base, mine) if base and mine else None
+
+
+def chunk_ablation_steps(seq_len: int, chunk_sizes, repeats: int, with_e2e: bool, known_chunk_sizes=()) -> int:
     shapes = 1 + sum(math.ceil(seq_len / c) for c in chunk_sizes)
-    return (shapes + (2 * len(chunk_sizes) if with_e2e else 0)) * repeats
+    e2e = 2 * len(set(chunk_sizes) - set(known_chunk_sizes)) if with_e2e else 0
+    return (shapes + e2e) * repeats
 
 
 # ---- Figure 7: tile quantization -----------------------------------------------------------
@@ -419,7 +439,11 @@ def tile_steps(start: int, stop: int) -> int:
 
 
 def paper_plan(quick: bool, repeats: int | None = None) -> dict:
-    """Arguments of each experiment for `charioteer bench paper`; `repeats` replaces every experiment's own."""
+    """Arguments of each experiment for `charioteer bench paper`; `repeats` replaces every experiment's own.
+
+    End-to-end runs dominate the time: the full plan makes 60 of them (32 requests of 256 tokens
+    each) and --quick 8, against 48 single runs of 64 requests before runs were repeated.
+    """
     if quick:
         plan = {
             "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 16), "repeats": 3},
@@ -435,9 +459,11 @@ def paper_plan(quick: bool, repeats: int | None = None) -> dict:
             "profile": {"seq_len": 256, "batch_size": 4, "fig3_batch_sizes": (1, 2, 16), "repeats": 5},
             "decode_speedup": {"seq_lens": (256, 512, 768), "batch_sizes": (2, 4, 8, 12, 16), "chunk_size": 32,
                                "repeats": 5},
-            "e2e": {"chunk_sizes": (17, 33, 49), "pd_ratios": (1, 4, 16), "batch_size": 16,
+            # 14 configurations x 3 runs at P:D 2.2, 3.27 (the balanced points of C = 33, 49) and 8, then
+            # 3 more chunk sizes x 2 policies x 3 runs for Figure 13c (33 and 49 reuse these runs).
+            "e2e": {"chunk_sizes": (33, 49), "pd_ratios": (8,), "batch_size": 16,
                     "seq_len": 256, "num_requests": 32, "repeats": 3},
-            "chunk_ablation": {"seq_len": 256, "chunk_sizes": (17, 33, 49, 64, 96, 128), "batch_size": 16,
+            "chunk_ablation": {"seq_len": 256, "chunk_sizes": (17, 33, 49, 64, 128), "batch_size": 16,
                                "num_requests": 32, "repeats": 3},
             "tile": {"start": 1, "stop": 160, "repeats": 3},
         }
@@ -447,13 +473,20 @@ def paper_plan(quick: bool, repeats: int | None = None) -> dict:
     return plan
 
 
+def shared_e2e(plan: dict) -> bool:
+    """Whether the plan's chunk ablation can reuse its e2e runs (same L, B and requests per run)."""
+    e, ca = plan["e2e"], plan["chunk_ablation"]
+    return ca.get("with_e2e", True) and all(e.get(k) == ca.get(k) for k in ("seq_len", "batch_size", "num_requests"))
+
+
 def paper_steps(plan: dict) -> int:
     """Progress-bar steps of a paper plan: one per timed batch run or end-to-end run."""
     pr, ds, e, ca, t = (plan[k] for k in ("profile", "decode_speedup", "e2e", "chunk_ablation", "tile"))
     return (profile_steps(pr["fig3_batch_sizes"], pr["repeats"])
             + decode_speedup_steps(ds["seq_lens"], ds["batch_sizes"], ds["repeats"])
             + e2e_steps(e["chunk_sizes"], e["pd_ratios"], e["batch_size"], POLICIES, e["repeats"])
-            + chunk_ablation_steps(ca["seq_len"], ca["chunk_sizes"], ca["repeats"], ca.get("with_e2e", True))
+            + chunk_ablation_steps(ca["seq_len"], ca["chunk_sizes"], ca["repeats"], ca.get("with_e2e", True),
+                                   e["chunk_sizes"] if shared_e2e(plan) else ())
             + tile_steps(t["start"], t["stop"]))
 
 

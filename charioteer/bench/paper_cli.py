@@ -169,7 +169,8 @@ def cmd_paper(args) -> int:
         for name, run in (("profile", ex.profile), ("decode_speedup", ex.decode_speedup), ("e2e", ex.e2e),
                           ("chunk_ablation", ex.chunk_ablation), ("tile", ex.tile_sweep)):
             begun = time.perf_counter()
-            results[name] = run(setup, **plan[name], progress=bar)
+            extra = {"e2e_result": results["e2e"]} if name == "chunk_ablation" and ex.shared_e2e(plan) else {}
+            results[name] = run(setup, **plan[name], **extra, progress=bar)
             results[name]["wall_s"] = round(time.perf_counter() - begun, 1)
     results.update(run_meta(args, setup, roof))
     results["paper"] = ex.PAPER  # the paper's numbers, for comparison
