@@ -202,7 +202,8 @@ def write_report(r: dict, out: str) -> dict:
         "",
         "## Plots",
         "",
-        "Error bars and bands are the spreads (min to max).",
+        "Error bars and bands are the spreads (min to max); an open end (\"inf\" in a table: a ratio over a "
+        "time whose spread reaches zero) is drawn at twice the median.",
         "",
         *[f"![{os.path.basename(path)}]({os.path.basename(path)})" for path in plots if path],
         "",
