@@ -25,12 +25,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from charioteer.engine.llm import LLM
     from charioteer.request import SamplingParams
 
+    from charioteer.engine.trace import TraceRecorder
+
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
+    trace_file = open(args.trace, "w", encoding="utf-8") if args.trace else None  # fails before the model loads
     llm = LLM(**setting_kwargs(args))
     engine = llm.engine
+    recorder = TraceRecorder(engine, trace_file) if trace_file else None
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     request_id = engine.add_request(prompt, params, stream=True)
     start = time.perf_counter()
@@ -43,6 +47,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 final = out
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
+    if recorder is not None:
+        recorder.close()
+        trace_file.close()
+        print(f"charioteer: wrote {recorder.count} step records to {args.trace} (charioteer view {args.trace})",
+              file=sys.stderr)
     if args.stats and final is not None:
         n = len(final.outputs[0].token_ids)
         stats = {
@@ -51,6 +60,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason": final.outputs[0].finish_reason, "capacity": engine.capacity(),
         }
         print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from charioteer.engine.trace import load_trace
+    from charioteer.serving.dashboard import render_html
+
+    out = args.output or os.path.splitext(args.trace)[0] + ".html"
+    if os.path.abspath(out) == os.path.abspath(args.trace):
+        raise ValueError(f"the output {out} would overwrite the trace; give another with -o")
+    records = load_trace(args.trace)
+    html = render_html(records, os.path.basename(args.trace))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(html)
+    print(f"wrote {out}: {len(records)} iterations; open it in a browser")
     return 0
 
 
@@ -86,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--stats", action="store_true", help="print token counts and tokens/s as JSON on stderr")
+    gen.add_argument("--trace", metavar="FILE", default=None,
+                     help="write every iteration's step record to FILE as JSON lines (see `charioteer view`)")
     add_setting_args(gen.add_argument_group("engine"))
     gen.set_defaults(func=cmd_generate)
 
@@ -93,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Load a model and print its shape, KV cache size and batch capacity B.")
     add_setting_args(info.add_argument_group("engine"))
     info.set_defaults(func=cmd_info)
+
+    view = sub.add_parser("view", help="turn a --trace file into a self-contained HTML dashboard",
+                          description="Write the dashboard page (what `serve` shows at /dashboard) with a trace's "
+                                      "iterations embedded: it opens in a browser without a server.")
+    view.add_argument("trace", help="a file from `generate --trace` or TraceRecorder (JSON lines or a JSON array)")
+    view.add_argument("-o", "--output", default=None, help="the HTML file (default: the trace's name with .html)")
+    view.set_defaults(func=cmd_view)
 
     add_serve_parser(sub)
     add_simulate_parser(sub)

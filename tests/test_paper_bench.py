@@ -1,5 +1,6 @@
 """The paper-experiment benchmarks: their arithmetic, their runs on a tiny model, and their CLI contracts."""
 import json
+import re
 
 import pytest
 
@@ -60,6 +61,21 @@ def test_batch_timer_times_every_op_and_frees_its_blocks(tiny_model):
     assert timer.blocks.num_free_blocks == free
 
 
+def test_batch_timer_interleaves_batches_and_keeps_every_sample(tiny_model, monkeypatch):
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict)
+    timer = BatchTimer(model, 64)  # too small to hold all three batches at once: each is planned per run
+    order = []
+    run_once = timer.run_once
+    monkeypatch.setattr(timer, "run_once", lambda batch: order.append(len(batch.entries)) or run_once(batch))
+    shapes = {"one": BatchShape(decodes=(40,)), "two": BatchShape(decodes=(40, 40)),
+              "three": BatchShape(decodes=(40, 40, 40))}
+    t = timer.time_interleaved(shapes, repeats=3, warmup=1)
+    assert order == [1, 2, 3] * 4  # a warm-up round, then A B C A B C A B C
+    assert all(len(t[k].samples_s) == 3 and len(t[k].op_samples("ffn")) == 3 for k in shapes)
+    assert t["two"].total_s == sorted(t["two"].samples_s)[1]
+    assert timer.blocks.num_free_blocks == timer.blocks.num_blocks
+
+
 def test_e2e_policies_shape_their_batches(tiny_model):
     w = Workload(48, 4, 6)  # P = 38, D = 10
     rows = {p: run_e2e(tiny_model, p, 8, 3, w) for p in POLICIES}
@@ -76,16 +92,27 @@ def test_e2e_policies_shape_their_batches(tiny_model):
     assert s["piggybacked_decode_fraction"] > rows["orca-best"]["piggybacked_decode_fraction"]
 
 
+VERDICTS = {"faster", "slower", "not distinguishable"}
+
+
 def test_e2e_and_decode_speedup_json_contracts(capsys):
     rc = main(["bench", "e2e", "--model", "synthetic:tiny", "--json", "--chunk-sizes", "16", "--pd-ratios", "2",
-               "--max-num-seqs", "4", "--seq-len", "64", "--num-requests", "6"])
+               "--max-num-seqs", "4", "--seq-len", "64", "--num-requests", "6", "--repeats", "2"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["roofline"]["peak_matmul_gflops"] > 0
+    assert out["roofline"]["peak_matmul_gflops"] > 0 and out["repeats"] == 2
     policies = {r["policy"] for r in out["rows"]}
     assert policies == set(POLICIES)
     for r in out["rows"]:
         assert {"policy", "chunk_size", "pd_ratio", "batch_size", "throughput_tok_s", "gain_vs_request_level"} <= set(r)
+        assert len(r["throughput_tok_s_samples"]) == 2
+        lo, hi = r["throughput_tok_s_spread"]
+        assert lo <= r["throughput_tok_s"] <= hi and r["vs_request_level"] in VERDICTS
+        assert 0 <= r["mfu_spread"][0] <= r["mfu"] <= r["mfu_spread"][1] <= 1
+        assert (r["policy"] == "sarathi") == ("vs_orca_best" in r)
+    # request-level against itself: ratio 1 and never a win
+    assert all(r["gain_vs_request_level"] == 1.0 and r["vs_request_level"] == "not distinguishable"
+               for r in out["rows"] if r["policy"] == "request-level")
     assert {r["pd_ratio"] for r in out["rows"]} == {2.0, 5.33}  # the grid point and C/(B-1)
 
     rc = main(["bench", "decode-speedup", "--model", "synthetic:tiny", "--json", "--seq-lens", "64",
@@ -93,7 +120,12 @@ def test_e2e_and_decode_speedup_json_contracts(capsys):
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["seq_len"], r["batch_size"]) for r in rows] == [(64, 2), (64, 4)]
-    assert all("decode_speedup" in r for r in rows)
+    for r in rows:
+        assert "decode_speedup" in r and r["verdict"] in VERDICTS
+        for name in ("baseline_decode_ms_per_token", "hybrid_decode_ms_per_token", "baseline_mfu", "hybrid_mfu"):
+            lo, hi = r[name + "_spread"]
+            assert lo <= r[name] <= hi
+        assert r["hybrid_mfu_spread"][1] <= 1 and r["baseline_mfu_spread"][1] <= 1
 
 
 def test_profile_json(capsys):
@@ -103,6 +135,10 @@ def test_profile_json(capsys):
     kinds = [r["batch"] for r in out["table2"]]
     assert kinds[:3] == ["prefill-only", "decode-only", "hybrid"]
     assert [r["batch_size"] for r in out["figure3"]] == [1, 2, 16]
+    for r in out["table2"]:
+        assert r["total_ms_spread"][0] <= r["total_ms"] <= r["total_ms_spread"][1] and r["mfu_spread"][1] <= 1
+    assert out["decode_speedup_in_hybrid_verdict"] in VERDICTS and "decode_ms_per_token_alone_spread" in out
+    assert all("decode_ms_per_token_spread" in r for r in out["figure3"])
 
 
 def test_bad_benchmark_arguments_fail_with_a_message(capsys):
@@ -110,18 +146,67 @@ def test_bad_benchmark_arguments_fail_with_a_message(capsys):
     assert "batch sizes >= 2" in capsys.readouterr().err
     assert main(["bench", "e2e", "--model", "synthetic:tiny", "--policies", "fifo"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+    assert main(["bench", "tile", "--model", "synthetic:tiny", "--repeats", "1"]) == 2
+    assert "one sample has no spread" in capsys.readouterr().err
 
 
 def test_paper_quick_writes_report_plots_and_json(capsys, tmp_path):
-    rc = main(["bench", "paper", "--quick", "--model", "synthetic:tiny", "--out", str(tmp_path)])
+    rc = main(["bench", "paper", "--quick", "--repeats", "2", "--model", "synthetic:tiny", "--out", str(tmp_path)])
     assert rc == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert {"profile", "decode_speedup", "e2e", "chunk_ablation", "tile", "summary"} <= set(results)
+    assert all(args["repeats"] == 2 for args in results["plan"].values())
+    assert 0 <= results["summary"]["max_mfu"] <= 1
     report = (tmp_path / "report.md").read_text()
     for heading in ("Table 2", "Figure 3", "Figure 8", "Figures 9 and 11", "Figure 10", "Figure 13", "Figure 7"):
         assert heading in report
+    assert "interleaved" in report and "not distinguishable" in report  # the method, and request-level vs itself
+    assert re.search(r"\| [0-9.]+ \[[0-9.]+, [0-9.]+\] \|", report)  # medians with their spreads
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == 6
+
+
+def test_paper_plan_repeats_and_steps():
+    from charioteer.bench.experiments import paper_plan, paper_steps, shared_e2e
+
+    full, quick = paper_plan(False), paper_plan(True)
+    assert all(args["repeats"] >= 2 for plan in (full, quick) for args in plan.values())
+    assert all(args["repeats"] == 4 for args in paper_plan(True, 4).values())
+    assert paper_steps(quick) < paper_steps(full)
+    assert shared_e2e(full)  # Figure 13c reuses the e2e runs at the balanced points
+
+
+def test_chunk_ablation_reuses_e2e_runs_at_the_same_point(tiny_model, monkeypatch):
+    """Given e2e rows at a chunk size's balanced P:D, the ablation takes their samples instead of running
+    the engine again (run_e2e would fail here); other chunk sizes still run (counted, faked)."""
+    from charioteer.bench import experiments as ex
+
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict)
+    setup = ex.Setup(tiny_model, model, BatchTimer(model, 1024), "cpu", {"peak_matmul_gflops": 1e6})
+    ran = []
+
+    def fake_run_e2e(loaded, policy, c, batch_size, workload, device="cpu", op_breakdown=False, tile_size=None):
+        ran.append((policy, c))
+        return {"policy": policy, "chunk_size": c, "pd_ratio": round(workload.pd_ratio, 3), "batch_size": batch_size,
+                "seq_len": workload.seq_len, "prompt_len": workload.prompt_len, "decode_len": workload.decode_len,
+                "num_requests": workload.num_requests, "elapsed_s": 1.0, "throughput_tok_s": 100.0, "batches": 1,
+                "prefill_only_batches": 0, "decode_only_batches": 0, "hybrid_batches": 1,
+                "piggybacked_decode_fraction": 1.0}
+
+    monkeypatch.setattr(ex, "run_e2e", fake_run_e2e)
+    pd = round(balanced_pd(8, 3), 3)
+    known = {"seq_len": 32, "batch_size": 3, "num_requests": 4, "rows": [
+        {"policy": "request-level", "chunk_size": None, "pd_ratio": pd, "throughput_tok_s": 10.0,
+         "throughput_tok_s_spread": [9.0, 11.0], "throughput_tok_s_samples": [9.0, 10.0, 11.0]},
+        {"policy": "sarathi", "chunk_size": 8, "pd_ratio": pd, "throughput_tok_s": 20.0,
+         "throughput_tok_s_spread": [19.0, 21.0], "throughput_tok_s_samples": [19.0, 20.0, 21.0]}]}
+    out = ex.chunk_ablation(setup, seq_len=32, chunk_sizes=(8, 16), batch_size=3, num_requests=4, repeats=2,
+                            e2e_result=known)
+    rows = {r["chunk_size"]: r for r in out["rows"]}
+    assert rows[8]["e2e_runs_from"] == "e2e" and rows[8]["e2e_speedup"] == 2.0 and rows[8]["e2e_verdict"] == "faster"
+    assert "e2e_runs_from" not in rows[16] and rows[16]["e2e_verdict"] == "not distinguishable"
+    assert ran.count(("request-level", 16)) == ran.count(("sarathi", 16)) == 2  # C = 16 runs, interleaved
+    assert ("request-level", 8) not in ran  # C = 8 did not (the warm-up is one sarathi run)
 
 
 def test_matmul_sweep_reports_plain_and_packed_gemm():
@@ -131,7 +216,7 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
     from charioteer.model import cpu_kernels
 
     rows = matmul_sweep("cpu", rows=(1, 8, cpu_kernels.MAX_ROWS + 1), shape=(64, 32), repeats=1)
-    assert [r["rows"] for r in rows] == [1, 8, cpu_kernels.MAX_ROWS + 1] and all(r["linear_gflops"] > 0 for r in rows)
+    assert [r["rows"] for r in rows] == [1, 8, cpu_kernels.MAX_ROWS + 1] and all(r["linear_gflops"] >= 0 for r in rows)
     assert all("packed_gflops" in r for r in rows) == packed_gemm_available(__import__("torch").device("cpu"))
     # the panel kernel is timed only where the engine uses it
     assert ["panel_gflops" in r for r in rows] == [cpu_kernels.available()] * 2 + [False]

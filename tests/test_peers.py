@@ -62,17 +62,61 @@ def test_bad_choice_names_the_choices():
 
 
 def test_side_by_side_run(tmp_path, monkeypatch):
-    """Charioteer and HF static batching really run workload A in their own processes; vLLM is
-    reported as skipped with the reason when it is not given."""
+    """Charioteer and HF static batching really run workload A in their own processes, twice each,
+    interleaved; vLLM is reported as skipped with the reason when it is not given."""
     find_spec = peers.importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    order = []
+    run_engine = peers.run_engine
+    monkeypatch.setattr(peers, "run_engine", lambda python, engine, *a: order.append(engine) or run_engine(python, engine, *a))
+    roof = {"peak_matmul_gflops": 10_000.0, "memory_bandwidth_gbs": 100.0}  # above any CPU: no re-measuring
     result = peers.run_peers(["A"], ["charioteer-sarathi", "hf-static", "vllm-cpu"], cache_dir=str(tmp_path),
-                             roofline={"peak_matmul_gflops": 10_000.0})  # above any CPU: MFU stays < 1
+                             roofline=roof, repeats=2)
+    assert order == ["charioteer-sarathi", "hf-static"] * 2  # A B A B
     rows = {r["engine"]: r for r in result["rows"]}
     for engine in ("charioteer-sarathi", "hf-static"):
         row = rows[engine]
         assert row["status"] == "ok", row["status"]
-        assert row["generated_tokens"] == 16 * 64 and row["tokens_per_s"] > 0
-        assert 0 < row["mfu"] < 1
+        assert row["generated_tokens"] == 16 * 64 and row["tokens_per_s"] > 0 and row["repeats"] == 2
+        lo, hi = row["tokens_per_s_spread"]
+        assert lo <= row["tokens_per_s"] <= hi and len(row["tokens_per_s_samples"]) == 2
+        assert 0 <= row["mfu_spread"][0] <= row["mfu"] <= row["mfu_spread"][1] < 1
+        assert row["same_outputs_every_run"]
     assert rows["charioteer-sarathi"]["same_tokens_as_sarathi"] == 1.0
+    assert "sarathi_verdict" not in rows["charioteer-sarathi"]
+    assert rows["hf-static"]["sarathi_verdict"] in ("faster", "slower", "not distinguishable")
+    assert rows["hf-static"]["sarathi_speedup"] > 0
     assert rows["vllm-cpu"]["status"].startswith("skipped")
+
+
+def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path):
+    """Rows, verdicts and MFU from canned engine results: no process, no timing. A run faster than the
+    stored peak makes the roofline re-measure it, and no MFU comes out above 1."""
+    from charioteer.bench import roofline as rl
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(rl, "measure_peak_matmul_flops", lambda *a, **k: 1e6)  # the fresh measurement: 0.001 GFLOP/s
+    monkeypatch.setattr(peers, "model_files", lambda cache_dir, keys: {k: {"hf_dir": "unused"} for k in keys})
+
+    class Small:
+        config = load_model("synthetic:tiny").config
+        tokenizer = None
+
+    monkeypatch.setattr("charioteer.model.loader.load_hf_dir", lambda path: Small)
+    w = peers.workload_b(Small.config.vocab_size, num_requests=4)
+    elapsed = {"charioteer-sarathi": iter([1.0, 1.1, 0.9]), "hf-static": iter([3.0, 3.3, 2.9])}
+
+    def fake_run(python, engine, model, workloads, threads, timeout_s):
+        return {"process_s": 5.0, "results": [{"elapsed_s": next(elapsed[engine]), "prompt_tokens": 100,
+                                               "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
+
+    monkeypatch.setattr(peers, "run_engine", fake_run)
+    roof = {"peak_matmul_gflops": 1e-6, "memory_bandwidth_gbs": 1.0, "device": "cpu", "dtype": "float32"}
+    result = peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, roofline=roof, repeats=3)
+    rows = {r["engine"]: r for r in result["rows"]}
+    s, h = rows["charioteer-sarathi"], rows["hf-static"]
+    assert s["tokens_per_s"] == 40.0 and s["tokens_per_s_spread"] == [36.4, 44.4]
+    assert h["sarathi_speedup"] == pytest.approx(3.0, abs=0.01) and h["sarathi_verdict"] == "faster"
+    assert roof["peak_matmul_gflops"] > 1e-6  # raised by the observed rate
+    assert all(v <= 1 for r in (s, h) for v in [r["mfu"], *r["mfu_spread"]])
+    assert s["mfu_spread"][1] >= 0.99  # the fastest run is the peak now (rounded up to 0.1 GFLOP/s)

@@ -172,8 +172,55 @@ def test_models_health_metrics(server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "iteration_tokens_total_bucket"):
+                 "request_queue_time_seconds_bucket", "iteration_tokens_total_bucket",
+                 "iteration_prefill_tokens_bucket", "iteration_decode_tokens_bucket",
+                 "iteration_duration_seconds_bucket"):
         assert f"charioteer:{name}" in text, name
+
+
+def _iteration_series(server) -> dict[tuple[str, str], float]:
+    """(series name, kind label or '') -> value, for the per-iteration histograms' counts and sums."""
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'^charioteer:(iteration_\w+_(?:count|sum))\{([^}]*)\} (\S+)$', line)
+        if m:
+            kind = re.search(r'kind="(\w+)"', m.group(2))
+            out[(m.group(1), kind.group(1) if kind else "")] = float(m.group(3))
+    return out
+
+
+def test_iteration_histograms_add_up_to_the_records(server, client):
+    server.wait_idle()
+    records = []
+    unsubscribe = server.engine.subscribe(records.append)
+    before = _iteration_series(server)
+    threads = [threading.Thread(target=client.completions.create, kwargs=dict(
+        model=server.model, prompt=f"Story {i}: " + "once upon a time " * (4 + 9 * i), max_tokens=6,
+        temperature=0)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.wait_idle()
+    deadline = time.monotonic() + 10  # the last record reaches our observer just after the metrics
+    while True:
+        after = _iteration_series(server)
+        grown = after[("iteration_prefill_tokens_count", "")] - before[("iteration_prefill_tokens_count", "")]
+        if grown == len(records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    unsubscribe()
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    n = len(records)
+    assert n > 0 and delta[("iteration_tokens_total_count", "")] == n
+    assert delta[("iteration_prefill_tokens_count", "")] == delta[("iteration_decode_tokens_count", "")] == n
+    assert delta[("iteration_prefill_tokens_sum", "")] == sum(r.num_prefill_tokens for r in records)
+    assert delta[("iteration_decode_tokens_sum", "")] == sum(r.num_decode_tokens for r in records)
+    for kind in ("prefill", "decode", "mixed"):
+        mine = [r for r in records if r.kind == kind]
+        assert delta[("iteration_duration_seconds_count", kind)] == len(mine), kind
+        assert delta[("iteration_duration_seconds_sum", kind)] == pytest.approx(sum(r.duration_s for r in mine))
+    assert sum(r.kind == "decode" for r in records) and sum(r.kind != "decode" for r in records)
 
 
 # ---- bad input ------------------------------------------------------------------------------

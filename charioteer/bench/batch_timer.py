@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from charioteer.bench.stats import interleaved
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.memory.block_manager import BlockManager, cdiv
 from charioteer.model.config import ModelConfig
@@ -54,7 +55,11 @@ class BatchTiming:
     shape: BatchShape
     total_s: float
     ops_s: dict[str, float] = field(default_factory=dict)  # OPS plus "other" (norms, RoPE, LM head, sampling)
-    samples_s: list[float] = field(default_factory=list)
+    samples_s: list[float] = field(default_factory=list)  # every run's total, in round order
+    ops_samples_s: list[dict[str, float]] = field(default_factory=list)  # every run's per-op times
+
+    def op_samples(self, op: str) -> list[float]:
+        return [r.get(op, 0.0) for r in self.ops_samples_s]
 
 
 class OpClock:
@@ -121,39 +126,32 @@ class BatchTimer:
 
     def time(self, shape: BatchShape, repeats: int = 5, warmup: int = 1) -> BatchTiming:
         """Median over `repeats` runs of the same batch (its K/V is rewritten each time, same values)."""
-        batch = self.plan(shape)
-        try:
-            for _ in range(warmup):
-                self.run_once(batch)
-            runs = [self.run_once(batch) for _ in range(repeats)]
-        finally:
-            self.release(batch)
-        return self._summarise(shape, runs)
+        return self.time_interleaved({"only": shape}, repeats, warmup)["only"]
 
-    def time_pair(self, a: BatchShape, b: BatchShape, repeats: int = 7, warmup: int = 1) -> tuple[BatchTiming, BatchTiming, float]:
-        """Time two batches alternately; also return the median of the paired differences a - b.
+    def time_interleaved(self, shapes: dict[str, BatchShape], repeats: int = 5, warmup: int = 1,
+                         after_each=None) -> dict[str, BatchTiming]:
+        """Time several batches in rounds, each batch once per round (A B C A B C ...).
 
-        Differences of interleaved runs cancel slow drifts of a noisy machine (other load, clocks),
-        which matters when the difference is small, as with the marginal cost of a few decodes.
+        Interleaving spreads the slow drifts of a noisy machine (other load, clocks) over every
+        batch alike; the i-th samples of all batches come from the same round, so per-round
+        differences and ratios (`BatchTiming.samples_s`) cancel most of the drift. Each batch is
+        planned just before its run and released after it, so any number of them fit the cache.
         """
-        batch_a, batch_b = self.plan(a), self.plan(b)
-        try:
-            for _ in range(warmup):
-                self.run_once(batch_a)
-                self.run_once(batch_b)
-            runs_a, runs_b = [], []
-            for _ in range(repeats):
-                runs_a.append(self.run_once(batch_a))
-                runs_b.append(self.run_once(batch_b))
-        finally:
-            self.release(batch_a)
-            self.release(batch_b)
-        diff = statistics.median(ta - tb for (ta, _), (tb, _) in zip(runs_a, runs_b))
-        return self._summarise(a, runs_a), self._summarise(b, runs_b), diff
+        def runner(shape: BatchShape):
+            def run():
+                batch = self.plan(shape)
+                try:
+                    return self.run_once(batch)
+                finally:
+                    self.release(batch)
+            return run
+
+        runs = interleaved([(name, runner(shape)) for name, shape in shapes.items()], repeats, warmup, after_each)
+        return {name: self._summarise(shapes[name], runs[name]) for name in shapes}
 
     @staticmethod
     def _summarise(shape: BatchShape, runs) -> BatchTiming:
         total = statistics.median(t for t, _ in runs)
         ops = {op: statistics.median(r.get(op, 0.0) for _, r in runs) for op in OPS}
         ops["other"] = max(0.0, total - sum(ops.values()))
-        return BatchTiming(shape, total, ops, [t for t, _ in runs])
+        return BatchTiming(shape, total, ops, [t for t, _ in runs], [r for _, r in runs])

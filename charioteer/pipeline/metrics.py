@@ -74,7 +74,7 @@ class PipelineMetrics:
         """A step observer (LLMEngine.subscribe): account the micro-batch a pipeline step returned."""
         if step.pipeline is not None:
             t = step.pipeline
-            self.record(step.request_ids, step.plan, t.dispatch, t.returned,
+            self.record(step.request_ids, step.plan(), t.dispatch, t.returned,
                         [(s.wait_begin, s.start, s.end) for s in t.stages])
 
     def record(self, request_ids: list[str], plan, dispatch: float, returned: float,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from charioteer.config import SchedulerConfig
@@ -28,6 +28,28 @@ from charioteer.request import Request, RequestStatus
 # What a cost model needs of one entry: (num_tokens, start, is_prefill). A plain tuple: the
 # simulator builds millions of them.
 PlanRow = tuple[int, int, bool]
+
+
+class PlanCounts:
+    """What a plan's `entries` (each with num_tokens, start, is_prefill) add up to: shared by the
+    Batch and by the engine's record of it."""
+
+    entries: Sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for e in self.entries if not e.is_prefill)
+
+    def plan(self) -> list[PlanRow]:
+        return [(e.num_tokens, e.start, e.is_prefill) for e in self.entries]
 
 
 @dataclass(frozen=True)
@@ -44,7 +66,7 @@ class BatchEntry:
 
 
 @dataclass
-class Batch:
+class Batch(PlanCounts):
     entries: list[BatchEntry] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # requests preempted while planning it
 
@@ -61,27 +83,12 @@ class Batch:
         return bool(self.entries)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
-
-    @property
     def prefills(self) -> list[BatchEntry]:
         return [e for e in self.entries if e.is_prefill]
 
     @property
     def decodes(self) -> list[BatchEntry]:
         return [e for e in self.entries if not e.is_prefill]
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if e.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for e in self.entries if not e.is_prefill)
-
-    def plan(self) -> list[PlanRow]:
-        return [(e.num_tokens, e.start, e.is_prefill) for e in self.entries]
 
 
 class Scheduler(ABC):

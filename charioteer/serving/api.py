@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI-compatible completions and chat, /health, /metrics."""
+"""The FastAPI application: OpenAI-compatible completions and chat, /health, /metrics, /dashboard."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.serving import protocol
+from charioteer.serving import dashboard
 from charioteer.serving.async_engine import AsyncEngine, Delta, EngineError, QueueFull, RequestStream
 from charioteer.serving.metrics import ServerMetrics
 from charioteer.serving.protocol import APIError
@@ -43,6 +44,9 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=server.config.api_key)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.get_metrics, methods=["GET"])
+    app.add_api_route("/dashboard", server.dashboard_page, methods=["GET"])
+    app.add_api_route("/dashboard/events", server.dashboard_events, methods=["GET"])
+    app.add_api_route("/dashboard/records", server.dashboard_records, methods=["GET"])
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
@@ -61,16 +65,21 @@ class Server:
         self.model_name = config.model_name or engine.model_config.name
         self.names = {self.model_name, *config.aliases}
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics, max_queue=config.max_queue)
+        self.dashboard = dashboard.DashboardHub()
+        self.async_engine = AsyncEngine(engine, self.metrics, max_queue=config.max_queue, dashboard=self.dashboard)
+        engine.subscribe(self.dashboard.observe_step)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.async_engine.start(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self.dashboard.start(loop)
+        self.async_engine.start(loop)
         try:
             yield
         finally:
             self.async_engine.shutdown()
+            self.dashboard.stop()
 
     # ---- endpoints ----------------------------------------------------------------------------
 
@@ -82,6 +91,19 @@ class Server:
     async def get_metrics(self):
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+    async def dashboard_page(self):
+        return HTMLResponse(dashboard.live_page(self.model_name))
+
+    async def dashboard_events(self):
+        """Server-sent events: a snapshot of the recent rows, then at most 10 updates a second."""
+        return dashboard.DashboardStream(self.dashboard)
+
+    async def dashboard_records(self, n: int = 500):
+        """The last n rows the dashboard holds, its latency samples and its number of clients (JSON)."""
+        if n < 0:
+            raise protocol.bad_request("n must be >= 0", param="n")
+        return self.dashboard.snapshot(n)
 
     async def list_models(self):
         return {"object": "list", "data": [{

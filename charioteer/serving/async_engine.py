@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.request import Request, RequestOutput, SamplingParams
+from charioteer.serving.dashboard import DashboardHub
 from charioteer.serving.metrics import ServerMetrics
 
 log = logging.getLogger("charioteer.serving")
@@ -104,9 +105,11 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int = 256,
+                 dashboard: DashboardHub | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.dashboard = dashboard  # gets each finished request's TTFT and times between tokens
         self.max_outstanding = engine.args.max_num_seqs + max_queue
         self.num_outstanding = 0  # event loop only
         self._commands: collections.deque = collections.deque()
@@ -287,11 +290,16 @@ class AsyncEngine:
         m.success(out.outputs[0].finish_reason or "unknown")
         if request.scheduled_time is not None:
             m.queue_time.observe(max(0.0, request.scheduled_time - request.arrival_time))
+        ttft = None
         if request.first_token_time is not None:
-            m.ttft.observe(max(0.0, request.first_token_time - request.arrival_time))
+            ttft = max(0.0, request.first_token_time - request.arrival_time)
+            m.ttft.observe(ttft)
         times = request.token_times
-        for a, b in zip(times, times[1:]):
-            m.itl.observe(b - a)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        for gap in gaps:
+            m.itl.observe(gap)
+        if self.dashboard is not None:
+            self.dashboard.observe_request(ttft, gaps)
         end = request.finish_time or time.monotonic()
         m.e2e.observe(max(0.0, end - request.arrival_time))
 
@@ -300,6 +308,9 @@ class AsyncEngine:
         self.num_steps += 1
         m = self.metrics
         m.iteration_tokens.observe(step.num_tokens)
+        m.iteration_prefill_tokens.observe(step.num_prefill_tokens)
+        m.iteration_decode_tokens.observe(step.num_decode_tokens)
+        m.iteration_duration[step.kind].observe(step.duration_s)
         if step.preempted:
             m.preemptions.inc(len(step.preempted))
         m.running.set(step.num_running)

@@ -1,5 +1,16 @@
 """Prometheus metrics, named after vLLM's (`vllm:` becomes `charioteer:`).
 
+Per iteration, from the engine's step records (`AsyncEngine._observe_step`):
+  charioteer:iteration_tokens_total            = vllm:iteration_tokens_total (tokens per engine step)
+  charioteer:iteration_prefill_tokens          prompt tokens per step, 0 in decode-only steps; vLLM has
+                                               no such histogram (its nearest: the prompt_tokens counter)
+  charioteer:iteration_decode_tokens           decode tokens per step, 0 in prefill-only steps; vLLM has
+                                               none (nearest: the generation_tokens counter)
+  charioteer:iteration_duration_seconds{kind}  wall time of a step, kind = prefill, decode or mixed
+                                               (StepRecord.kind); vLLM has none
+Each of the three new histograms observes every step once, so their counts equal the number of
+steps and their sums the tokens (or seconds) the steps ran.
+
 Each server gets its own registry, so several servers can live in one process (tests).
 prometheus-client metrics are thread-safe: the engine thread updates them directly.
 """
@@ -14,6 +25,10 @@ ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+ITERATION_PART_BUCKETS = [0] + ITERATION_BUCKETS  # 0: a step without prompt (or decode) tokens
+ITERATION_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                          1.0, 2.5, 5.0, 10.0]
+STEP_KINDS = ("prefill", "decode", "mixed")
 
 
 class ServerMetrics:
@@ -44,6 +59,16 @@ class ServerMetrics:
                                     REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt + decode) per engine step.",
                                           ITERATION_BUCKETS)
+        self.iteration_prefill_tokens = histogram(
+            "iteration_prefill_tokens", "Prompt tokens (chunks and recomputes) per engine step; 0 if none.",
+            ITERATION_PART_BUCKETS)
+        self.iteration_decode_tokens = histogram(
+            "iteration_decode_tokens", "Decode tokens per engine step; 0 if none.", ITERATION_PART_BUCKETS)
+        duration = Histogram("charioteer:iteration_duration_seconds",
+                             "Wall time of an engine step, by kind: prefill (prompt tokens only), decode "
+                             "(decodes only) or mixed.", ["model_name", "kind"], buckets=ITERATION_TIME_BUCKETS,
+                             registry=r)
+        self.iteration_duration = {kind: duration.labels(model_name, kind) for kind in STEP_KINDS}
         self._success = Counter("charioteer:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name

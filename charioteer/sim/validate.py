@@ -146,7 +146,7 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
     t0 = time.thread_time()
     while engine.has_unfinished_requests():
         engine.step()
-    return [(step.plan, step.cpu_s) for step in steps], time.thread_time() - t0
+    return [(step.plan(), step.cpu_s) for step in steps], time.thread_time() - t0
 
 
 def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
