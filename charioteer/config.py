@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charioteer.memory.block_manager import KV_POLICIES
+from charioteer.model.precision import DTYPES, QUANTIZATIONS
 
 SCHEDULERS = ("sarathi", "orca", "vllm", "request-level")
 
@@ -56,10 +57,21 @@ class LoadConfig:
     max_model_len: int | None = setting(None, "context limit (default: the model's)")
     device: str = setting("cpu", "cpu or cuda")
     seed: int = setting(0, "seed of synthetic weights")
+    dtype: str = setting(
+        "float32", "weights, activations and KV cache: float32, bfloat16, or auto (bfloat16 where the CPU "
+                   "computes it natively: AMX or AVX512-BF16; float32 elsewhere)", choices=DTYPES)
+    quantization: str | None = setting(
+        None, "int8: weight-only int8 linear layers, one scale per output channel (default: none)",
+        choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         _check_min("num_layers", self.num_layers)
         _check_min("max_model_len", self.max_model_len)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.quantization not in (None,) + QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}"
+                             " or leave it unset")
 
 
 @dataclass

@@ -21,10 +21,11 @@ from charioteer.engine.llm_engine import LLMEngine
 
 def run_phases(loaded, chunk_size, phases: list[Workload], batch_size: int, device: str = "cpu",
                tile_size: int | None = None, tune_table: str | None = None, min_chunk: int = 16,
-               max_chunk: int = 512) -> dict:
+               max_chunk: int = 512, precision: dict | None = None) -> dict:
     longest = max(phases, key=lambda w: w.seq_len)
     engine = LLMEngine(engine_args("sarathi", chunk_size, batch_size, longest, device, tile_size, tune_table=tune_table,
-                                   min_chunk_size=min_chunk, max_chunk_size=max_chunk), loaded=loaded)
+                                   min_chunk_size=min_chunk, max_chunk_size=max_chunk, **(precision or {})),
+                      loaded=loaded)
     out = []
     for k, w in enumerate(phases):
         add_requests(engine, w, salt=97 * k)
@@ -46,10 +47,11 @@ def run_phases(loaded, chunk_size, phases: list[Workload], batch_size: int, devi
 
 
 def compare(loaded, static_chunks: list[int], phases: list[Workload], batch_size: int, device: str, tile_size,
-            tune_table, progress=None) -> dict:
+            tune_table, progress=None, precision: dict | None = None) -> dict:
     runs = []
     for chunk in ["auto", *static_chunks]:
-        runs.append(run_phases(loaded, chunk, phases, batch_size, device, tile_size=tile_size, tune_table=tune_table))
+        runs.append(run_phases(loaded, chunk, phases, batch_size, device, tile_size=tile_size, tune_table=tune_table,
+                               precision=precision))
         if progress:
             progress.update()
     auto, static = runs[0], runs[1:]
@@ -71,7 +73,7 @@ def cmd_bench_adaptive(args) -> int:
     setup = load_setup(args, roof)
     with progress_bar(1 + len(args.chunk_sizes), "runs") as bar:
         result = compare(setup.loaded, args.chunk_sizes, phases, args.max_num_seqs, args.device, args.tile_size,
-                         args.tune_table, bar)
+                         args.tune_table, bar, precision=setup.precision)
     result.update({"batch_size": args.max_num_seqs, "seq_len": args.seq_len, "num_requests_per_phase": args.num_requests,
                    "pd_ratios": pds, "tile_size": args.tile_size, "roofline": roof, "model": setup.model.config.name,
                    "threads": ex.threads()})

@@ -35,9 +35,10 @@ def float_list(text: str) -> list[float]:
 
 
 def add_setup_args(p: argparse.ArgumentParser) -> None:
-    """--model, --num-layers, --device (engine settings), --threads, --refresh-roofline, --json."""
+    """--model, --num-layers, --device, --dtype, --quantization (engine settings), --threads, --refresh-roofline,
+    --json."""
     g = p.add_argument_group("setup")
-    add_setting_args(g, ["model", "num_layers", "device"], overrides={"model": dict(
+    add_setting_args(g, ["model", "num_layers", "device", "dtype", "quantization"], overrides={"model": dict(
         help=f"model to measure (default: {ex.DEFAULT_BENCH_MODEL}, one LLaMA-7B layer); any --model of "
              "`charioteer generate`, e.g. smollm2-135m")})
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
@@ -45,13 +46,14 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def prepare_device(args, dtype: str = "float32") -> dict:
-    """Check the settings, apply --threads, check --device, and return the device's `dtype` roofline (printed
-    on stderr)."""
+def prepare_device(args) -> dict:
+    """Check the settings, apply --threads, check --device, and return the device's roofline in --dtype (auto
+    resolved for this device; printed on stderr)."""
     check_settings(args)
     import torch
 
     from charioteer.bench.roofline import describe, roofline
+    from charioteer.model.precision import dtype_name, resolve_dtype
 
     if args.threads is not None:
         if args.threads < 1:
@@ -59,6 +61,7 @@ def prepare_device(args, dtype: str = "float32") -> dict:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda given but torch sees no CUDA device here; use --device cpu")
+    dtype = dtype_name(resolve_dtype(args.dtype, torch.device(args.device)))
     roof = roofline(args.device, refresh=args.refresh_roofline, dtype=dtype)
     print(describe(roof), file=sys.stderr)
     return roof
@@ -66,10 +69,12 @@ def prepare_device(args, dtype: str = "float32") -> dict:
 
 def load_setup(args, roof: dict, max_cached_tokens: int = 32768) -> ex.Setup:
     """The model to measure (--model, --num-layers, --device), described on stderr."""
-    setup = ex.make_setup(args.model, args.device, roof, args.num_layers, max_cached_tokens)
+    setup = ex.make_setup(args.model, args.device, roof, args.num_layers, max_cached_tokens,
+                          quantization=args.quantization)
     c = setup.model.config
     print(f"model: {c.name}, {c.num_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
-          f"vocab {c.vocab_size}, {args.device}, {ex.threads()} threads", file=sys.stderr)
+          f"vocab {c.vocab_size}, {args.device}, {roof['dtype']}{' int8' * bool(args.quantization)}, "
+          f"{ex.threads()} threads", file=sys.stderr)
     return setup
 
 

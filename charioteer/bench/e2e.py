@@ -86,9 +86,11 @@ def add_requests(engine: LLMEngine, workload: Workload, salt: int = 0) -> None:
 
 
 def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, workload: Workload,
-            device: str = "cpu", op_breakdown: bool = False, tile_size: int | None = None) -> dict:
-    """Run the workload to completion on a fresh engine; return throughput and batch statistics."""
-    args = engine_args(policy, chunk_size, batch_size, workload, device, tile_size)
+            device: str = "cpu", op_breakdown: bool = False, tile_size: int | None = None,
+            precision: dict | None = None) -> dict:
+    """Run the workload to completion on a fresh engine; return throughput and batch statistics.
+    `precision`: dtype and quantization settings (default: the engine's)."""
+    args = engine_args(policy, chunk_size, batch_size, workload, device, tile_size, **(precision or {}))
     clock = OpClock(torch.device(device)) if op_breakdown else None
     engine = LLMEngine(args, loaded=loaded, op_hooks=clock)
     counts: dict[str, int] = defaultdict(int)

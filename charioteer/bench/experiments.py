@@ -34,6 +34,7 @@ from charioteer.bench.stats import compare, interleaved, median, put
 from charioteer.model.config import ModelConfig
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
+from charioteer.model.precision import resolve_dtype
 
 # A LLaMA-7B layer: linear layers dominate as in the paper. One layer keeps runs short; the
 # vocabulary is cut to 1000 per layer (32000 / 32 layers) so the LM head weighs what it does
@@ -62,8 +63,13 @@ class Setup:
     model: LlamaModel
     timer: BatchTimer
     device: str
-    roofline: dict
+    roofline: dict  # in the model's dtype
     mfu_cells: list = field(default_factory=list)  # (row, column, flops, seconds samples), see record_mfu
+
+    @property
+    def precision(self) -> dict:
+        """The model's number formats as engine settings: an engine built for this setup runs the same."""
+        return {"dtype": self.roofline["dtype"], "quantization": self.model.quantization}
 
     def record_mfu(self, row: dict, column: str, flops: float, seconds: list[float]) -> None:
         """Ask for row[column]: the MFU of `flops` done in each of `seconds` (median and spread).
@@ -78,9 +84,11 @@ class Setup:
 
 
 def make_setup(model: str | None, device: str, roofline: dict, num_layers: int | None = None,
-               max_cached_tokens: int = 32768) -> Setup:
+               max_cached_tokens: int = 32768, quantization: str | None = None) -> Setup:
+    """The model in the roofline's dtype (and `quantization`), its batch timer, and the roofline."""
     loaded = load_model(model or DEFAULT_BENCH_MODEL, num_layers=num_layers)
-    llama = LlamaModel(loaded.config, loaded.state_dict, device)
+    llama = LlamaModel(loaded.config, loaded.state_dict, device, dtype=resolve_dtype(roofline["dtype"], device),
+                       quantization=quantization)
     return Setup(loaded, llama, BatchTimer(llama, max_cached_tokens), device, roofline)
 
 
@@ -211,7 +219,8 @@ E2E_STATIC = ("policy", "chunk_size", "pd_ratio", "batch_size", "seq_len", "prom
 
 def warm_up(setup: Setup, seq_len: int, batch_size: int) -> None:
     """One short run of the engine, so that the first measured run is not the first run."""
-    run_e2e(setup.loaded, "sarathi", max(1, seq_len // 4), batch_size, Workload(seq_len, 1.0, 2), setup.device)
+    run_e2e(setup.loaded, "sarathi", max(1, seq_len // 4), batch_size, Workload(seq_len, 1.0, 2), setup.device,
+            precision=setup.precision)
 
 
 def e2e_runs(setup: Setup, configs: list[tuple[str, int]], batch_size: int, workload: Workload, repeats: int,
@@ -219,7 +228,8 @@ def e2e_runs(setup: Setup, configs: list[tuple[str, int]], batch_size: int, work
     """Run each (policy, chunk size) on the workload `repeats` times, interleaved; one row per config
     with throughput and elapsed time as median and spread (the samples are kept), MFU recorded."""
     runs = interleaved([((policy, c), functools.partial(run_e2e, setup.loaded, policy, c, batch_size, workload,
-                                                        setup.device, op_breakdown=op_breakdown))
+                                                        setup.device, op_breakdown=op_breakdown,
+                                                        precision=setup.precision))
                         for policy, c in configs], repeats, after_each=_tick(progress))
     out = {}
     for key, samples in runs.items():

@@ -133,7 +133,7 @@ def cmd_tile(args) -> int:
 def cmd_roofline(args) -> int:
     from charioteer.bench.roofline import decode_gemm_stream, describe, matmul_sweep, observe
 
-    roof = prepare_device(args, dtype=args.dtype)
+    roof = prepare_device(args)
     extra, sections, rates = {}, [], []
     if args.sweep:
         extra["matmul_sweep"] = matmul_sweep(args.device)
@@ -295,8 +295,6 @@ def _add_roofline(bench_sub) -> None:
                                          "the torch version and the dtype, and measured again when any of them "
                                          "changes or a later run observes a higher rate.")
     add_setup_args(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="dtype of the roofline entry (default: float32, what the engine runs)")
     p.add_argument("--sweep", action="store_true",
                    help="also time a LLaMA-7B-shaped matmul by batch rows, plain and packed GEMM")
     p.add_argument("--decode-stream", action="store_true",

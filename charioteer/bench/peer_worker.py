@@ -36,7 +36,7 @@ def run_charioteer(job: dict) -> list[dict]:
     results = []
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
-        llm = LLM(job["model"]["charioteer"], **w["charioteer_args"])
+        llm = LLM(job["model"]["charioteer"], dtype=job["dtype"], **w["charioteer_args"])
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
@@ -56,7 +56,8 @@ def _hf_model(job: dict):
 
     torch.set_num_threads(job["threads"])
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(job["model"]["hf_dir"], dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["model"]["hf_dir"],
+                                                              dtype=getattr(torch, job["dtype"])).eval()
     return model
 
 
@@ -213,7 +214,7 @@ def run_vllm(job: dict) -> list[dict]:
 
     max_len = max(len(p) + n for w in job["workloads"] for p, n in zip(w["prompts"], w["max_tokens"]))
     batch_size = max(w["batch_size"] for w in job["workloads"])
-    llm = LLM(model=job["model"]["hf_dir"], dtype="float32", max_model_len=max(2048, max_len),
+    llm = LLM(model=job["model"]["hf_dir"], dtype=job["dtype"], max_model_len=max(2048, max_len),
               skip_tokenizer_init=True, max_num_seqs=batch_size, seed=0)
     results = []
     for w in job["workloads"]:

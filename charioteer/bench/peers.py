@@ -43,7 +43,9 @@ from charioteer.bench.stats import compare, median, put
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
 WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
-PRECISION = {"llama.cpp": "Q4_1 weights, f16 KV"}  # everything else: fp32
+DTYPES = ("float32", "bfloat16")  # --dtypes: each engine but llama.cpp runs once per dtype
+PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+LLAMA_CPP_PRECISION = "Q4_1 weights, f16 KV"  # the default GGUF as it ships, whatever --dtypes says
 DEFAULT_CHUNK = 256
 BATCH_SIZE = 16
 C_SEQ_LEN, C_CHUNK = 256, 49
@@ -141,9 +143,11 @@ def availability(engine: str, vllm_python: str | None) -> tuple[str | None, str 
 
 
 def run_engine(python: str, engine: str, model: dict, workloads: list[PeerWorkload], threads: int,
-               timeout_s: float) -> dict:
-    """Run one engine over the workloads in a fresh process; raises RuntimeError with its log tail on failure."""
-    job = {"engine": engine, "model": model, "threads": threads, "workloads": [w.job(engine) for w in workloads]}
+               timeout_s: float, dtype: str = "float32") -> dict:
+    """Run one engine over the workloads in a fresh process, in `dtype` (weights, activations and KV); raises
+    RuntimeError with its log tail on failure."""
+    job = {"engine": engine, "model": model, "threads": threads, "dtype": dtype,
+           "workloads": [w.job(engine) for w in workloads]}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
                    os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
@@ -184,9 +188,11 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
 def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
               vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
               roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None,
-              repeats: int = 3) -> dict:
-    """Every engine over the workloads, `repeats` rounds, interleaved (each round runs every engine once,
-    each in a fresh process); rows carry medians and spreads, and a verdict against charioteer-sarathi."""
+              repeats: int = 3, dtypes: tuple[str, ...] = ("float32",), rooflines: dict | None = None) -> dict:
+    """Every engine in every dtype over the workloads, `repeats` rounds, interleaved (each round runs every
+    engine once, each in a fresh process); rows carry medians and spreads, and a verdict against
+    charioteer-sarathi at the same precision. `roofline` is the float32 one; `rooflines` maps other dtypes
+    to theirs (a row without one gets no MFU)."""
     from charioteer.model.loader import load_hf_dir, parse_synthetic_spec
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "charioteer", "peers")
@@ -206,31 +212,32 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
 
     rows, jobs = [], []
     for key, config, group in groups:
-        for engine in engines:
+        for engine, dtype in [(e, d) for e in engines for d in (dtypes[:1] if e == "llama.cpp" else dtypes)]:
             runnable = [w for w in group if w.name != "C" or engine in C_ENGINES]
             if not runnable:
                 continue
             python, why_not = availability(engine, vllm_python)
-            base = {"engine": engine, "precision": PRECISION.get(engine, "fp32")}
+            base = {"engine": engine, "precision": LLAMA_CPP_PRECISION if engine == "llama.cpp" else PRECISION[dtype]}
             if python is None:
                 rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
             else:
                 jobs.append({"key": key, "config": config, "engine": engine, "python": python, "workloads": runnable,
-                             "base": base, "results": [], "failed": None})
+                             "base": base, "dtype": dtype, "results": [], "failed": None})
     for _ in range(repeats):
         for job in jobs:
             if job["failed"] is None:
                 try:
                     job["results"].append(run_engine(job["python"], job["engine"], files[job["key"]], job["workloads"],
-                                                     threads, timeout_s))
+                                                     threads, timeout_s, job["dtype"]))
                 except RuntimeError as e:
                     job["failed"] = str(e)
             if progress:
                 progress.update()
     rows += [row for job in jobs for row in _job_rows(job)]
-    _settle(rows, roofline)
-    return {"roofline": roofline, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE, "repeats": repeats,
-            "sarathi_token_budget": sarathi_token_budget, "rows": rows}
+    rooflines = {"float32": roofline, **(rooflines or {})}
+    _settle(rows, rooflines)
+    return {"roofline": roofline, "rooflines": rooflines, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
+            "repeats": repeats, "dtypes": list(dtypes), "sarathi_token_budget": sarathi_token_budget, "rows": rows}
 
 
 def _job_rows(job: dict) -> list[dict]:
@@ -242,7 +249,8 @@ def _job_rows(job: dict) -> list[dict]:
         runs = [result["results"][i] for result in job["results"]]
         first = runs[0]
         elapsed = [r["elapsed_s"] for r in runs]
-        row = {"workload": w.name, **job["base"], "status": "ok", "requests": len(w.prompts), "repeats": len(runs),
+        row = {"workload": w.name, **job["base"], "_dtype": job["dtype"], "status": "ok", "requests": len(w.prompts),
+               "repeats": len(runs),
                "prompt_tokens": first["prompt_tokens"], "generated_tokens": first["generated_tokens"]}
         put(row, "tokens_per_s", [r["generated_tokens"] / t for r, t in zip(runs, elapsed)], digits=1)
         put(row, "total_tokens_per_s", [(r["generated_tokens"] + r["prompt_tokens"]) / t for r, t in zip(runs, elapsed)],
@@ -258,20 +266,23 @@ def _job_rows(job: dict) -> list[dict]:
     return rows
 
 
-def _settle(rows: list[dict], roofline: dict | None) -> None:
-    """MFU of every run (all through roofline.mfu at once, one peak), and each row against charioteer-sarathi:
-    the same tokens, and its generated tokens/s over this row's with a verdict."""
+def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
+    """MFU of every run (per dtype, all through roofline.mfu at once, one peak), and each row against
+    charioteer-sarathi in the same dtype (llama.cpp against the first dtype's): the same tokens, and its
+    generated tokens/s over this row's with a verdict."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    values = iter(mfu(roofline, [(r["_flops"], t) for r in ok for t in r["elapsed_s_samples"]]))
+    for dtype in dict.fromkeys(r["_dtype"] for r in ok):
+        group, roof = [r for r in ok if r["_dtype"] == dtype], rooflines.get(dtype)
+        values = iter(mfu(roof, [(r["_flops"], t) for r in group for t in r["elapsed_s_samples"]]))
+        for row in group:
+            samples = [next(values) for _ in row["elapsed_s_samples"]]
+            if roof is None:
+                row["mfu"] = None
+            else:
+                put(row, "mfu", samples)
+    ref = {(r["workload"], r["_dtype"]): r for r in ok if r["engine"] == "charioteer-sarathi"}
     for row in ok:
-        samples = [next(values) for _ in row["elapsed_s_samples"]]
-        if roofline is None:
-            row["mfu"] = None
-        else:
-            put(row, "mfu", samples)
-    ref = {r["workload"]: r for r in ok if r["engine"] == "charioteer-sarathi"}
-    for row in ok:
-        sarathi = ref.get(row["workload"])
+        sarathi = ref.get((row["workload"], row["_dtype"]))
         if sarathi is not None:
             row["same_tokens_as_sarathi"] = round(
                 sum(a == b for a, b in zip(sarathi["_outputs"], row["_outputs"])) / len(sarathi["_outputs"]), 3)
@@ -279,7 +290,7 @@ def _settle(rows: list[dict], roofline: dict | None) -> None:
                 compare(row, "sarathi_speedup", sarathi["tokens_per_s_samples"], row["tokens_per_s_samples"],
                         verdict_name="sarathi_verdict")
     for row in ok:
-        del row["_outputs"], row["_flops"]
+        del row["_outputs"], row["_flops"], row["_dtype"]
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -305,6 +316,10 @@ def add_peers_bench(bench_sub) -> None:
                    help="A and B: run charioteer-sarathi in token-budget mode with this many tokens per batch, as "
                         "vLLM's chunked prefill does (default: the paper's strict mode, one 256-token chunk per batch)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default: 2)")
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated subset of float32,bfloat16: every engine but llama.cpp (which runs its "
+                        "GGUF's own format) runs once per dtype, compared with charioteer-sarathi in the same "
+                        "dtype (default: float32)")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds: every engine runs once per round, each in a fresh process, interleaved (A B A B); "
                         "median and spread are reported (default: 3)")
@@ -332,6 +347,7 @@ def cmd_bench_peers(args) -> int:
 
     workloads = _choices(args.workloads, WORKLOADS, "--workloads")
     engines = _choices(args.engines, ENGINES, "--engines")
+    dtypes = tuple(_choices(args.dtypes, DTYPES, "--dtypes"))
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     check_repeats(args.repeats)
@@ -339,16 +355,17 @@ def cmd_bench_peers(args) -> int:
         raise ValueError(f"--sarathi-token-budget must be >= {BATCH_SIZE} (room for every decode), "
                          f"got {args.sarathi_token_budget}")
     torch.set_num_threads(args.threads)  # the roofline of the thread count the engines run with
-    roof = roofline("cpu")
-    print(describe(roof), file=sys.stderr)
+    roofs = {dtype: roofline("cpu", dtype=dtype) for dtype in ("float32",) + dtypes}
+    for roof in roofs.values():
+        print(describe(roof), file=sys.stderr)
     runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)
-    with tqdm(total=runs * args.repeats, desc="engine runs", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=runs * args.repeats * len(dtypes), desc="engine runs", file=sys.stderr, leave=False) as bar:
         result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
-                           args.timeout, roof, bar, args.sarathi_token_budget, args.repeats)
+                           args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs)
     if args.json:
         print(json.dumps(result))
     else:
-        print(describe(roof))
+        print("\n".join(describe(roofs[dtype]) for dtype in dtypes))
         print(f"median [min, max] of {args.repeats} interleaved runs per engine; sarathi_speedup: charioteer-sarathi's "
               "generated tokens/s over the row's, a ratio of medians, with a verdict from the spreads")
         print(format_table(result["rows"], COLUMNS))

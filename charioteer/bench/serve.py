@@ -435,7 +435,8 @@ ENGINE_FLAGS = (  # (attribute, flag) forwarded to `charioteer serve`
     ("chunk_size", "--chunk-size"), ("max_num_seqs", "--max-num-seqs"),
     ("max_num_batched_tokens", "--max-num-batched-tokens"), ("tile_size", "--tile-size"),
     ("kv_policy", "--kv-policy"), ("kv_cache_memory_gb", "--kv-cache-memory-gb"),
-    ("max_model_len", "--max-model-len"), ("device", "--device"),
+    ("max_model_len", "--max-model-len"), ("device", "--device"), ("dtype", "--dtype"),
+    ("quantization", "--quantization"),
 )
 
 

@@ -5,12 +5,15 @@ import itertools
 import time
 from collections.abc import Callable
 
+import torch
+
 from charioteer.config import EngineArgs
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.engine.step_record import PipelineTiming, StageTiming, StepObserver, StepRecord, entry_records
 from charioteer.memory.block_manager import BlockManager, batch_capacity, kv_bytes_per_token
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
+from charioteer.model.precision import dtype_name, resolve_dtype
 from charioteer.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
 from charioteer.scheduling import make_scheduler
 from charioteer.scheduling.base import Batch
@@ -26,8 +29,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(args.max_model_len or config.max_position, config.max_position)
 
+        self.dtype = resolve_dtype(args.dtype, torch.device(args.device))
         cache = args.cache_config
-        self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, 4)
+        self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                                 self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
         self.scheduler = make_scheduler(args.scheduler_config, self.blocks, self._holds_stop_string)
@@ -38,12 +43,14 @@ class LLMEngine:
             from charioteer.pipeline.executor import PipelineExecutor
 
             self.model = None
-            self.weight_bytes = sum(t.numel() * 4 for t in loaded.state_dict.values())
+            self.weight_bytes = sum(t.numel() * self.dtype.itemsize for t in loaded.state_dict.values())
             self.executor = PipelineExecutor(
                 loaded, args.pipeline_parallel_size, num_blocks * cache.block_size, args.device,
-                model_spec=(args.model or loaded.source, args.num_layers, args.seed))
+                model_spec=(args.model or loaded.source, args.num_layers, args.seed), dtype=self.dtype,
+                quantization=args.quantization)
         else:
-            self.model = LlamaModel(config, loaded.state_dict, args.device)
+            self.model = LlamaModel(config, loaded.state_dict, args.device, dtype=self.dtype,
+                                    quantization=args.quantization)
             self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
         self.op_hooks = op_hooks
@@ -71,6 +78,8 @@ class LLMEngine:
             "block_size": self.blocks.block_size,
             "num_blocks": self.blocks.num_blocks,
             "kv_capacity_tokens": self.blocks.capacity_tokens,
+            "dtype": dtype_name(self.dtype),
+            "quantization": self.args.quantization,
             "kv_bytes_per_token": self.kv_token_bytes,
             "weight_bytes": weights,
             "max_model_len": self.max_model_len,

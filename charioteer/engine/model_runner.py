@@ -83,7 +83,8 @@ class ModelRunner:
         self.model = model
         self.blocks = blocks
         self.device = model.device if model is not None else torch.device("cpu")
-        self.kv = KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device) if model is not None else None
+        self.kv = (KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device, dtype=model.dtype)
+                   if model is not None else None)
         self.pad_slot = blocks.num_blocks * blocks.block_size  # KVCache's zero slot, here and in every stage
         self.sampler = Sampler()
 
@@ -195,7 +196,7 @@ class ModelRunner:
 
     def execute(self, batch: Batch, hooks=None) -> BatchResult:
         inp, order, rows_per_entry = self.prepare(batch)
-        logits = self.model.forward(inp, self.kv, hooks)
+        logits = self.model.forward(inp, self.kv, hooks).float()  # sampling and logprobs in fp32 whatever the dtype
         return self.process(order, rows_per_entry, logits)
 
     def process(self, order: list[BatchEntry], rows_per_entry: list[list[int]], logits: torch.Tensor) -> BatchResult:

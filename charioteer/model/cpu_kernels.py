@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from charioteer.model.precision import cpu_flags
+
 ISAS = ("avx512", "avx2")  # best first: CHARIOTEER_CPU_KERNELS=auto takes the first this CPU runs
 MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-stream --rows N)
 HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
@@ -56,25 +58,13 @@ _build_errors: dict[str, str] = {}
 _chosen: tuple[str | None, str | None] | None = None  # (ISA, why none) once decided
 
 
-def _cpuinfo_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return None
-
-
 def cannot_run(isa: str) -> str | None:
     """None when this CPU executes `isa`'s build, else why not. Torch's vector capability is
     checked against /proc/cpuinfo's flags: both must include the instruction set."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _TORCH_CAPABILITY[isa]:
         return f"the CPU's vector capability is {capability} (torch), which lacks {isa}"
-    flags = _cpuinfo_flags()
+    flags = cpu_flags()
     missing = sorted(_CPUINFO_FLAGS[isa] - flags) if flags is not None else []
     if missing:
         return f"/proc/cpuinfo lacks {' '.join(missing)}"

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels
 from charioteer.model.config import ModelConfig
+from charioteer.model.precision import QUANTIZATIONS, quantize_int8
 from charioteer.runtime import tune_allocator
 
 
@@ -69,8 +70,11 @@ class KVCache:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps): torch's fused kernel, bitwise equal to the op-by-op formula
-    (tests/test_llama_ops.py)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    (tests/test_llama_ops.py). Below fp32 it normalizes in fp32 and rounds before the weight, as
+    transformers' LlamaRMSNorm does."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -116,6 +120,28 @@ class Linear:
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
         return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8Linear:
+    """y = x @ (q * scale[:, None]).T with q int8: torch's weight-only int8 GEMM (which widens the
+    weight inside the kernel), in x's dtype (charioteer.model.precision.quantize_int8)."""
+
+    __slots__ = ("weight", "scale")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight, scale = quantize_int8(weight)
+        self.scale = scale.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale.numel() * self.scale.element_size()
 
 
 class TorchRowOps:
@@ -178,15 +204,19 @@ class Kernels:
             raise ValueError("decode_layers runs the native row ops and decode attention: it needs both")
 
     @classmethod
-    def choose(cls, config: ModelConfig, device: torch.device) -> Kernels:
+    def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
+               quantized: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
-        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0."""
-        native = device.type == "cpu" and cpu_kernels.available()
+        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them are fp32 only, and the
+        GEMMs take no int8 weights (Int8Linear's own kernel does)."""
+        native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
         row_ops = native and config.head_dim % 32 == 0
         decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
-        return cls(panel_gemm=native, packed_gemm=packed_gemm_available(device), row_ops=row_ops,
-                   decode_attention=decode_attention, decode_layers=row_ops and decode_attention)
+        panel_gemm = native and not quantized
+        return cls(panel_gemm=panel_gemm, row_ops=row_ops, decode_attention=decode_attention,
+                   packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
+                   decode_layers=panel_gemm and row_ops and decode_attention)
 
     @property
     def ops(self) -> type[TorchRowOps] | type[NativeRowOps]:
@@ -276,15 +306,16 @@ def _layer_weights(w, p: str) -> dict[str, torch.Tensor]:
     )
 
 
-def _rope_tables(c: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin (see apply_rope) of every position's rotary angles: [max_position, head_dim] each."""
+def _rope_tables(c: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin (see apply_rope) of every position's rotary angles: [max_position, head_dim] each,
+    computed in fp32 and rounded to `dtype`."""
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
     freqs = torch.arange(c.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(device)
+    cos = emb.cos().to(device, dtype)
     sin = emb.sin()
     half = c.head_dim // 2
-    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device, dtype)
 
 
 def _unprofiled(_name: str, fn):
@@ -293,14 +324,18 @@ def _unprofiled(_name: str, fn):
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 layer_range: tuple[int, int] | None = None) -> None:
+                 layer_range: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32,
+                 quantization: str | None = None) -> None:
         """`layer_range` = (start, end): hold only layers [start, end), as a pipeline stage does.
 
         The first stage holds the embedding, the last the final norm and LM head; the default is
-        the whole model.
+        the whole model. `dtype` and `quantization`: see charioteer.model.precision.
         """
+        if quantization not in (None,) + QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         self.config = config
         self.device = torch.device(device)
+        self.dtype, self.quantization = dtype, quantization
         if self.device.type == "cpu":
             tune_allocator()
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # K and V, see _gather
@@ -310,15 +345,15 @@ class LlamaModel:
         self.layer_range = (start, end)
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self._load_weights(state_dict)
-        self.kernels = Kernels.choose(config, self.device)
+        self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None)
         self._prepare_kernels()
-        self.cos_table, self.signed_sin_table = _rope_tables(config, self.device)
+        self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, dtype)
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         c = self.config
 
         def w(name: str) -> torch.Tensor:
-            return state_dict[name].to(self.device, torch.float32)
+            return state_dict[name].to(self.device, self.dtype)
 
         needs_embed = self.is_first or (self.is_last and c.tie_word_embeddings)
         self.embed = w("model.embed_tokens.weight") if needs_embed else None
@@ -332,12 +367,16 @@ class LlamaModel:
         """The weights in the layouts self.kernels' GEMMs read, and the one-call decode runner."""
         c, k = self.config, self.kernels
 
-        def linear(weight: torch.Tensor) -> Linear:
+        def linear(weight: torch.Tensor) -> Linear | Int8Linear:
+            if self.quantization == "int8":
+                return Int8Linear(weight, self.dtype)
             return Linear(weight, k.packed_gemm, k.panel_gemm)
 
-        self.linears = [{name: linear(layer[name]) for name in ("qkv", "o", "gate_up", "down")}
+        # The layers' linear weights live in their Linear (once, in its own format).
+        self.linears = [{name: linear(layer.pop(name)) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
-        self.lm_head_linear = linear(self.lm_head) if self.lm_head is not None else None
+        # The LM head shares the embedding's tensor when tied, so it stays in dtype.
+        self.lm_head_linear = Linear(self.lm_head, k.packed_gemm, k.panel_gemm) if self.lm_head is not None else None
         self.decode_layers = None
         if k.decode_layers:
             self.decode_layers = cpu_kernels.decode_layers(
@@ -352,7 +391,8 @@ class LlamaModel:
         tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         tensors = [t for t in tensors if t is not None]
         tensors += [t for layer in self.layers for t in layer.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(
+            lin.nbytes for layer in self.linears for lin in layer.values())
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:

@@ -72,9 +72,10 @@ class Stage:
             from charioteer.model.loader import load_model
 
             state_dict = load_model(init["model"], num_layers=init["num_layers"], seed=init["seed"]).state_dict
-        self.model = LlamaModel(config, state_dict, self.device, layer_range=(start, end))
+        self.model = LlamaModel(config, state_dict, self.device, layer_range=(start, end), dtype=init["dtype"],
+                                quantization=init["quantization"])
         del state_dict
-        self.kv = KVCache(config, init["num_slots"], self.device, num_layers=end - start)
+        self.kv = KVCache(config, init["num_slots"], self.device, dtype=init["dtype"], num_layers=end - start)
         self.hidden_size = config.hidden_size
         # Activations between stages: NCCL when every stage has its own GPU, else gloo (via the host).
         self.dev_pg = None
@@ -117,7 +118,7 @@ class Stage:
                 times = torch.empty(0, dtype=torch.float64)
                 x = None
             else:
-                x = self._link_recv((num_tokens, self.hidden_size), torch.float32, self.rank - 1, tp.TAG_HIDDEN)
+                x = self._link_recv((num_tokens, self.hidden_size), self.model.dtype, self.rank - 1, tp.TAG_HIDDEN)
                 times = torch.empty(3 * self.index, dtype=torch.float64)
                 pg.recv([times], self.rank - 1, tp.TAG_TIMES).wait()
             start = time.time()

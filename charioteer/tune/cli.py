@@ -83,9 +83,9 @@ def cmd_tune(args) -> int:
     prompt_len, decode_len, seq_len = workload_lengths(args)
     roof = prepare_device(args)
     setup = ex.make_setup(args.model, args.device, roof, args.num_layers,
-                          max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows)
+                          max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows, quantization=args.quantization)
     c = setup.model.config
-    kv_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 4)
+    kv_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, setup.model.dtype.itemsize)
     weights = setup.model.weight_bytes
     kv_memory = CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb).memory_bytes
     from_memory = batch_capacity(kv_memory + weights, weights, seq_len, kv_token)

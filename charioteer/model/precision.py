@@ -1,0 +1,60 @@
+"""The model's number formats: what `dtype` and `quantization` mean on the machine at hand.
+
+- `dtype` is the format of weights, activations and the KV cache: float32, bfloat16, or auto.
+  auto takes bfloat16 where the processor computes it natively (AMX or AVX512-BF16 on a CPU,
+  bf16 support on a GPU), and float32 elsewhere: on an AVX2-only CPU torch's bf16 matmul runs
+  at a seventh of fp32's rate, so halving the bytes does not pay for it.
+- `quantization="int8"` stores each linear layer's weight as int8 with one scale per output
+  channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only, W8A16/W8A32). The
+  embedding and the LM head stay in `dtype`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "auto")
+QUANTIZATIONS = ("int8",)
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def native_bf16(device: torch.device, flags: set[str] | None = None) -> bool:
+    """Whether `device` computes bf16 matmuls natively (`flags`: the CPU's, default /proc/cpuinfo's)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags) and any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: torch.device, flags: set[str] | None = None) -> torch.dtype:
+    """The torch dtype that the setting `name` means on `device`."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device, flags) else torch.float32
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in TORCH_DTYPES.items()}[dtype]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per output row) with weight ~= int8 * scale[:, None]."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale

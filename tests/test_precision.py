@@ -1,0 +1,136 @@
+"""bfloat16 and weight-only int8: what `dtype="auto"` picks, the KV cache's bytes, and each format's
+agreement with transformers and with fp32 on the real model, within the tolerance it states.
+
+fp32's exactness (greedy outputs equal to transformers', the same under every policy and chunk
+size) is tests/test_hf_parity.py's and tests/test_policies.py's; these are the lower precisions.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformers
+from charioteer import LLM, SamplingParams
+from charioteer.config import EngineArgs
+from charioteer.model.llama import Int8Linear
+from charioteer.model.loader import save_hf_dir
+from charioteer.model.precision import native_bf16, quantize_int8, resolve_dtype
+from test_hf_parity import CHATS, LONG_CHAT
+
+NEW_TOKENS = 16
+# bf16 keeps 8 bits of mantissa: a logprob moves by a few hundredths between two ways of summing
+# the same row (measured: up to 0.03 between a whole and a chunked prefill of LONG_CHAT).
+BF16_CHUNKED_LOGPROB_TOL = 0.15
+# Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
+# measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
+MIN_BF16_AGREEMENT_WITH_HF_BF16 = 0.75
+MIN_INT8_AGREEMENT_WITH_FP32 = 0.6
+
+
+def test_auto_takes_bf16_only_where_the_cpu_computes_it():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, flags={"avx2", "fma"}) == torch.float32
+    assert resolve_dtype("auto", cpu, flags={"avx512f", "avx512_bf16"}) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, flags={"amx_bf16", "amx_tile"}) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native_bf16(cpu) else torch.float32)
+    assert resolve_dtype("bfloat16", cpu, flags=set()) == torch.bfloat16
+
+
+def test_bad_precision_settings_say_what_to_change():
+    with pytest.raises(ValueError, match="float32, bfloat16, auto"):
+        EngineArgs(dtype="float16")
+    with pytest.raises(ValueError, match="int8"):
+        EngineArgs(quantization="int4")
+
+
+def test_int8_linear_is_close_to_the_fp32_product():
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(5, 64)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert torch.allclose(q.float() * scale[:, None], w, atol=float(scale.max()) / 2 + 1e-6)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        y = Int8Linear(w, dtype)(x.to(dtype)).float()
+        exact = x.to(dtype).float() @ (q.float() * scale[:, None]).T  # the quantized weight's own product
+        assert (y - exact).abs().max() <= tol * exact.abs().max()
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    llm = LLM(default_model)
+    return [llm.apply_chat_template(chat) for chat in CHATS]
+
+
+@pytest.fixture(scope="module")
+def fp32_tokens(default_model, prompts):
+    return _greedy(LLM(default_model), prompts)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.blocks.num_used_blocks == 0
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
+    """Tokens equal before each sequence's first divergence, over all tokens."""
+    same = 0
+    for ref, out in zip(reference, candidate):
+        for a, b in zip(ref, out):
+            if a != b:
+                break
+            same += 1
+    return same / sum(map(len, reference))
+
+
+def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model):
+    fp32 = LLM(default_model, num_kv_blocks=64)
+    bf16 = LLM(default_model, num_kv_blocks=64, dtype="bfloat16")
+    cap32, cap16 = fp32.engine.capacity(), bf16.engine.capacity()
+    assert (cap32["dtype"], cap16["dtype"]) == ("float32", "bfloat16")
+    assert cap16["kv_bytes_per_token"] * 2 == cap32["kv_bytes_per_token"]
+    assert bf16.engine.runner.kv.data.dtype == torch.bfloat16
+    assert bf16.engine.model.linears[0]["qkv"].weight.dtype == torch.bfloat16
+    assert cap16["weight_bytes"] * 2 == cap32["weight_bytes"]
+
+
+def test_bf16_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model):
+    ids = LLM(default_model).apply_chat_template(LONG_CHAT)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    runs = []
+    for chunk in (256, 24):
+        out = LLM(default_model, dtype="bfloat16", chunk_size=chunk).generate(ids, params)[0]
+        runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
+    diff = max(abs(a - b) for a, b in zip(*runs))
+    print(f"\n[bf16] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.3f}")
+    assert diff < BF16_CHUNKED_LOGPROB_TOL
+
+
+def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp32_tokens, tmp_path):
+    # From a safetensors folder of the same weights: transformers keeps a GGUF's weights quantized
+    # and computes in fp32 whatever dtype it is given, which would not be bf16 at all.
+    save_hf_dir(default_model, str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    ours = _greedy(LLM(default_model, dtype="bfloat16", chunk_size=16), prompts)
+    reference = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=None)
+            reference.append(out[0, len(p):].tolist())
+    with_hf, with_fp32 = _agreement(reference, ours), _agreement(fp32_tokens, ours)
+    print(f"\n[bf16] greedy agreement: {with_hf:.2f} with transformers bf16, {with_fp32:.2f} with our fp32, "
+          f"transformers bf16 with our fp32 {_agreement(fp32_tokens, reference):.2f}")
+    assert with_hf >= MIN_BF16_AGREEMENT_WITH_HF_BF16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype):
+    llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
+    weights = llm.engine.model.linears[0]["gate_up"]
+    assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
+    agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
+    print(f"\n[int8, {dtype} activations] greedy agreement with fp32: {agreement:.2f}")
+    assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
