@@ -185,7 +185,7 @@ def test_chunk_ablation_reuses_e2e_runs_at_the_same_point(tiny_model, monkeypatc
     setup = ex.Setup(tiny_model, model, BatchTimer(model, 1024), "cpu", {"peak_matmul_gflops": 1e6})
     ran = []
 
-    def fake_run_e2e(loaded, policy, c, batch_size, workload, device="cpu", op_breakdown=False, tile_size=None):
+    def fake_run_e2e(loaded, policy, c, batch_size, workload, device="cpu", op_breakdown=False, tile_size=None, precision=None):
         ran.append((policy, c))
         return {"policy": policy, "chunk_size": c, "pd_ratio": round(workload.pd_ratio, 3), "batch_size": batch_size,
                 "seq_len": workload.seq_len, "prompt_len": workload.prompt_len, "decode_len": workload.decode_len,

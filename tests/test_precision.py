@@ -134,3 +134,19 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
     print(f"\n[int8, {dtype} activations] greedy agreement with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
+
+
+def test_bf16_pipeline_stages_run_bf16_and_agree_with_one_process(tiny_model):
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([9, 40, 4, 23])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one = LLM(tiny_model, dtype="bfloat16", chunk_size=8)
+    piped = LLM(tiny_model, dtype="bfloat16", chunk_size=8, pipeline_parallel_size=2)
+    try:
+        assert piped.engine.capacity()["kv_bytes_per_token"] * 2 == LLM(tiny_model).engine.capacity()["kv_bytes_per_token"]
+        reference = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
+        outputs = [list(o.outputs[0].token_ids) for o in piped.generate(prompts, params)]
+        assert piped.engine.blocks.num_used_blocks == 0
+    finally:
+        piped.shutdown()
+    # One process and the stages run the same bf16 ops on different thread counts.
+    assert _agreement(reference, outputs) >= 0.9

@@ -34,7 +34,7 @@ from charioteer.bench.stats import compare, interleaved, median, put
 from charioteer.model.config import ModelConfig
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
-from charioteer.model.precision import resolve_dtype
+from charioteer.model.precision import dtype_name, resolve_dtype
 
 # A LLaMA-7B layer: linear layers dominate as in the paper. One layer keeps runs short; the
 # vocabulary is cut to 1000 per layer (32000 / 32 layers) so the LM head weighs what it does
@@ -69,7 +69,7 @@ class Setup:
     @property
     def precision(self) -> dict:
         """The model's number formats as engine settings: an engine built for this setup runs the same."""
-        return {"dtype": self.roofline["dtype"], "quantization": self.model.quantization}
+        return {"dtype": dtype_name(self.model.dtype), "quantization": self.model.quantization}
 
     def record_mfu(self, row: dict, column: str, flops: float, seconds: list[float]) -> None:
         """Ask for row[column]: the MFU of `flops` done in each of `seconds` (median and spread).
@@ -87,7 +87,8 @@ def make_setup(model: str | None, device: str, roofline: dict, num_layers: int |
                max_cached_tokens: int = 32768, quantization: str | None = None) -> Setup:
     """The model in the roofline's dtype (and `quantization`), its batch timer, and the roofline."""
     loaded = load_model(model or DEFAULT_BENCH_MODEL, num_layers=num_layers)
-    llama = LlamaModel(loaded.config, loaded.state_dict, device, dtype=resolve_dtype(roofline["dtype"], device),
+    dtype = resolve_dtype(roofline.get("dtype", "float32"), torch.device(device))
+    llama = LlamaModel(loaded.config, loaded.state_dict, device, dtype=dtype,
                        quantization=quantization)
     return Setup(loaded, llama, BatchTimer(llama, max_cached_tokens), device, roofline)
 
