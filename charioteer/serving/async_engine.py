@@ -220,9 +220,20 @@ class AsyncEngine:
         except BaseException as exc:  # pragma: no cover - a bug; /health reports it
             log.exception("engine thread died")
             self.error = exc
+            died = EngineError(f"engine thread died: {exc}")
             for live in list(self._live.values()):
-                self._deliver(live.stream, EngineError(f"engine thread died: {exc}"))
+                self._deliver(live.stream, died)
             self._live.clear()
+            self._fail_commands(died)
+
+    def _fail_commands(self, error: EngineError) -> None:
+        """Answer the adds and calls that will never be drained, so nobody waits on them."""
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._deliver(payload.stream, error)
+            elif kind == "call":
+                self._settle(payload[1], error, True)
 
     def _drain(self) -> None:
         while self._commands:
@@ -238,16 +249,19 @@ class AsyncEngine:
                     self.metrics.aborted.inc()
 
     def _call(self, fn, future: asyncio.Future) -> None:
-        def settle(outcome, failed: bool) -> None:
+        try:
+            outcome, failed = fn(self.engine), False
+        except Exception as exc:
+            outcome, failed = exc, True
+        self._settle(future, outcome, failed)
+
+    def _settle(self, future: asyncio.Future, outcome, failed: bool) -> None:
+        def settle() -> None:
             if not future.done():  # the caller may have gone away
                 (future.set_exception if failed else future.set_result)(outcome)
 
         try:
-            result, failed = fn(self.engine), False
-        except Exception as exc:
-            result, failed = exc, True
-        try:
-            self._loop.call_soon_threadsafe(settle, result, failed)
+            self._loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
 
