@@ -267,12 +267,12 @@ async def _collect(request: Request, group: StreamGroup) -> list[list[Delta]]:
         group.close()
 
 
-async def _close_on_disconnect(receive, stream: StreamGroup) -> None:
-    """Closes the stream, aborting its request at once, when the client disconnects."""
+async def _close_on_disconnect(receive, group: StreamGroup) -> None:
+    """Closes the group, aborting its requests at once, when the client disconnects."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            stream.close()
+            group.close()
             return
 
 
