@@ -29,8 +29,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--sensitivity", action="store_true",
-                   help="with --preset paper-fig12: rerun it with each cost-model factor moved in turn and print "
-                        "how the completion times and ratios move (about 4 minutes)")
+                   help="with --preset paper-fig12: rerun it with each cost-model, scheduling and workload factor "
+                        "moved in turn and print how the completion times and ratios move (about 8 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
                         "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")
@@ -140,7 +140,7 @@ def build_runs(args):
 def _sensitivity(args, t0: float) -> int:
     from tqdm import tqdm
 
-    from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_sensitivity
+    from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_paper_row, fig12_sensitivity
 
     if args.preset != "paper-fig12":
         raise ValueError("--sensitivity needs --preset paper-fig12")
@@ -150,14 +150,17 @@ def _sensitivity(args, t0: float) -> int:
         json.dump({"preset": args.preset, "sensitivity": rows, "wall_s": time.perf_counter() - t0}, sys.stdout, indent=2)
         print()
         return 0
-    print("| variant | orca-tp-pp (s) | tp-only (s) | sarathi-tp-pp (s) | bubble Orca/SARATHI | SARATHI/Orca "
-          "| TP-only/Orca | SARATHI/TP-only |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | orca-tp-pp (s) | tp-only (s) | sarathi-tp-pp (s) | Orca TP+PP busy | bubble Orca/SARATHI "
+          "| SARATHI/Orca | TP-only/Orca | SARATHI/TP-only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         t, q = r["completion_time_s"], r["ratios"]
         print(f"| {r['variant']} | {t['orca-tp-pp']:.0f} | {t['tp-only']:.0f} | {t['sarathi-tp-pp']:.0f} "
-              f"| {q['median_bubble_ratio_orca_over_sarathi']:.1f}x | {q['speedup_sarathi_over_orca_tp_pp']:.2f}x "
-              f"| {q['speedup_tp_only_over_orca_tp_pp']:.2f}x | {q['speedup_sarathi_over_tp_only']:.2f}x |")
+              f"| {r['orca_tp_pp_stage_busy_pct']:.0f} % | {q['median_bubble_ratio_orca_over_sarathi']:.1f}x "
+              f"| {q['speedup_sarathi_over_orca_tp_pp']:.2f}x | {q['speedup_tp_only_over_orca_tp_pp']:.2f}x "
+              f"| {q['speedup_sarathi_over_tp_only']:.2f}x |")
+    paper = fig12_paper_row()
+    print(paper)
     return 0
 
 
