@@ -150,3 +150,12 @@ def test_simulate_reports_a_bad_trace_on_one_line(capsys, tmp_path):
     assert len(err) == 1 and "line 3" in err[0] and "'ContextTokens'" in err[0], err
     assert main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--no-progress"]) == 2
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_a_spreadsheet_byte_order_mark_is_not_part_of_the_header(tmp_path):
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46,10,3\r\n"
+                     b"2023-11-16 18:15:48.5,12,4\r\n")
+    trace = read_trace(str(path))
+    assert trace_has_arrivals(str(path))
+    assert list(trace.prompt_len) == [10, 12] and list(trace.arrival_s) == [0.0, 2.5]

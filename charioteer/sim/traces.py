@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class Trace:
 def read_trace(path: str, tokenizer=None) -> Trace:
     """Read a trace file; `tokenizer` (anything with `encode`) counts ShareGPT text, default: the default model's."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except OSError as exc:
         raise TraceError(path, None, f"cannot be read ({exc.strerror})") from exc
@@ -71,7 +72,7 @@ def read_trace(path: str, tokenizer=None) -> Trace:
 def trace_has_arrivals(path: str) -> bool:
     """Whether a trace file gives arrival times, from its first line (a ShareGPT file never does)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), "")
     except (OSError, UnicodeDecodeError):
         return False  # read_trace reports it
@@ -183,7 +184,7 @@ def _parse_time(value) -> tuple[float | None, bool]:
 
 
 def _read_csv(path: str, text: str) -> Trace:
-    reader = csv.DictReader(text.splitlines())
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     if not reader.fieldnames:
         raise TraceError(path, 1, "no header row")
     columns = _Columns(path, reader.fieldnames, 1)
