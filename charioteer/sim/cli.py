@@ -30,7 +30,7 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--sensitivity", action="store_true",
                    help="with --preset paper-fig12: rerun it with each cost-model, scheduling and workload factor "
-                        "moved in turn and print how the completion times and ratios move (about 8 minutes)")
+                        "moved in turn and print how the completion times and ratios move (10-20 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
                         "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")

@@ -188,17 +188,15 @@ class Fig12Variant:
 
     label: str
     hardware: dict = field(default_factory=dict)
-    cluster: dict = field(default_factory=dict)  # pipeline runs only (pp > 1)
+    cluster: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     runs: dict = field(default_factory=dict)  # run name -> RunSpec changes
 
     def apply(self, specs: list[RunSpec], workload: WorkloadSpec) -> tuple[list[RunSpec], WorkloadSpec]:
         out = []
         for s in specs:
-            s = replace(s, hardware=replace(s.hardware, **self.hardware), **self.runs.get(s.name, {}))
-            if s.cluster.pp > 1:
-                s = replace(s, cluster=replace(s.cluster, **self.cluster))
-            out.append(s)
+            out.append(replace(s, hardware=replace(s.hardware, **self.hardware), cluster=replace(s.cluster, **self.cluster),
+                               **self.runs.get(s.name, {})))
         return out, replace(workload, **self.workload)
 
 
