@@ -9,7 +9,7 @@ from charioteer.serving.api import ServerConfig
 from test_server import LiveServer
 from texts import prompt_ids
 
-PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def first_token_steps(engine):
@@ -27,9 +27,9 @@ def first_token_steps(engine):
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
 def test_high_priority_request_passes_a_full_cache(default_model, scheduler):
     tok = default_model.tokenizer
-    low = [prompt_ids(tok, 90 + 7 * i, offset=13 * i) for i in range(6)]
+    low = [prompt_ids(tok, 90 + 7 * i, offset=13 * i) for i in range(5)]
     high = prompt_ids(tok, 100, offset=200)  # more blocks than the cache has left
-    # 24 blocks of 16 tokens: about three low-priority requests at full length.
+    # 24 blocks of 16 tokens: room for about three of the low-priority requests.
     llm = LLM(default_model, scheduler=scheduler, scheduling_policy="priority", chunk_size=32,
               num_kv_blocks=24, block_size=16)
     engine = llm.engine

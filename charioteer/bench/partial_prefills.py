@@ -74,7 +74,9 @@ def measure(loaded, engine_kwargs: dict, fair_kwargs: dict, long_prompt, shorts,
         "fair": lambda: run_behind(engines["fair"], long_prompt, shorts, params),
     }
     samples = interleaved(runs, repeats, warmup=1, after_each=progress.update if progress else None)
-    return summarize(samples)
+    result = summarize(samples)
+    result["fair_long_prefill_token_threshold"] = engines["fair"].scheduler.config.long_prefill_token_threshold
+    return result
 
 
 def summarize(samples: dict[str, list[dict]]) -> dict:
@@ -126,7 +128,8 @@ def cmd_bench_partial_prefills(args) -> int:
     text = "\n".join([
         format_table(result["rows"], cols),
         f"fair over unfair, short-prompt TTFT: {result['fair_speedup']}x {result['fair_speedup_spread']} "
-        f"({result['fair_speedup_verdict']}); greedy outputs identical: {result['outputs_identical']}",
+        f"({result['fair_speedup_verdict']}); greedy outputs identical: {result['outputs_identical']}; "
+        f"fair long-prefill threshold: {result['fair_long_prefill_token_threshold']}",
     ])
     emit(args, result, text)
     return 0

@@ -104,6 +104,14 @@ class Batch(PlanCounts):
         return [e for e in self.entries if not e.is_prefill]
 
 
+def _insert_by_priority(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Insert after every request of the same or a better priority_key (the queue is in that order)."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].priority_key > request.priority_key:
+        i -= 1
+    queue.insert(i, request)
+
+
 class Scheduler(ABC):
     name: str = ""
 
@@ -147,10 +155,7 @@ class Scheduler(ABC):
             else:
                 self.waiting.append(request)
             return
-        key, i = request.priority_key, len(self.waiting)
-        while i > 0 and self.waiting[i - 1].priority_key > key:
-            i -= 1
-        self.waiting.insert(i, request)
+        _insert_by_priority(self.waiting, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -208,10 +213,7 @@ class Scheduler(ABC):
         if request.scheduled_time is None:
             request.scheduled_time = time.monotonic()
         if self.by_priority:
-            i = len(self.running)
-            while i > 0 and self.running[i - 1].priority_key > request.priority_key:
-                i -= 1
-            self.running.insert(i, request)
+            _insert_by_priority(self.running, request)
         else:
             self.running.append(request)
         return True
@@ -243,11 +245,10 @@ class Scheduler(ABC):
 
     def _fits_without(self, request: Request, first_tokens: int, others: list[Request]) -> bool:
         """Whether `request` could be admitted once `others` are preempted."""
-        blocks = self.blocks
-        size = request.max_num_tokens if blocks.policy == "reserve" else first_tokens
+        blocks = self.blocks  # paged KV: the first batch's blocks
         freed = sum(len(blocks.block_table(r)) for r in others)
         return (len(self.running) - len(others) < self.config.max_num_seqs
-                and cdiv(size, blocks.block_size) <= blocks.num_free_blocks + freed)
+                and cdiv(first_tokens, blocks.block_size) <= blocks.num_free_blocks + freed)
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, batch: Batch) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others.
