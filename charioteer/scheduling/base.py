@@ -322,7 +322,11 @@ class Scheduler(ABC):
         finally:
             for r in hidden:
                 r.in_flight = False
-            self.waiting.extend(held)
+            if self.by_priority:  # requests preempted meanwhile may belong after some held ones
+                for r in held:
+                    _insert_by_priority(self.waiting, r)
+            else:
+                self.waiting.extend(held)
 
     def release(self, batches: list[Batch]) -> None:
         """Batches that will never return (their executor failed): their requests leave flight."""
