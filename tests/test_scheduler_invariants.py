@@ -70,6 +70,7 @@ class Workload:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"
+    micro_batch_cap: int | None = None  # schedule(max_requests): the pipeline's per-micro-batch cap
 
     def config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -264,7 +265,7 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
         prefills = batch.prefills
         assert len(prefills) <= cfg.max_num_partial_prefills, "strict SARATHI: at most N prompts per batch"
         assert sum(p.num_tokens for p in prefills) <= spec_chunk_len(cfg, len(batch.decodes))
-        if not batch.preempted and not before["flying"]:
+        if not batch.preempted and not before["flying"] and w.micro_batch_cap is None:
             limit = cfg.max_num_seqs - 1 if before["prefill_pending"] else cfg.max_num_seqs
             if budget is not None:
                 limit = min(limit, budget)
@@ -282,7 +283,7 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
             assert p.num_tokens == chunk or p.samples, "a chunk is full-size unless it ends the prompt"
         # Completeness checks hold when nothing else is in flight: with batches in flight, a
         # request that cannot grow may wait for them to return (no preemption, not planned).
-        complete = not batch.preempted and not before["flying"]
+        complete = not batch.preempted and not before["flying"] and w.micro_batch_cap is None
         if complete:
             # Decode-maximal: every ready decode the cap allows is in the batch.
             limit = cfg.max_num_seqs - 1 if before["prefill_pending"] else cfg.max_num_seqs
@@ -297,7 +298,7 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
                     first = min(head.num_remaining_tokens, spec_chunk_len(cfg, n_dec))
                     assert not sched.blocks.can_admit(head, first)
     elif w.policy == "sarathi":
-        if not batch.preempted and not before["flying"]:
+        if not batch.preempted and not before["flying"] and w.micro_batch_cap is None:
             assert len(batch.decodes) == min(before["num_decodes"], cfg.max_num_seqs, budget)
     else:
         # Whole prompts: every entry runs to the request's end and samples.
@@ -393,7 +394,7 @@ def run_workload(w: Workload, check: bool = True) -> Run:
                 "num_decodes": sum(1 for r in ready if not r.in_prefill),
                 "prefill_pending": _prefill_pending(sched),
             }
-            batch = sched.schedule()
+            batch = sched.schedule(w.micro_batch_cap)
             if pending and not inflight:
                 assert batch, f"empty batch while {sched.num_requests} requests are pending"
             if not pending:
@@ -555,6 +556,8 @@ def fair_workloads(draw, depths=(1,)) -> Workload:
         w.max_num_partial_prefills = draw(st.integers(1, 4))
         w.max_long_partial_prefills = draw(st.integers(1, w.max_num_partial_prefills))
         w.long_prefill_token_threshold = draw(st.one_of(st.none(), st.integers(1, 64)))
+    if w.pipeline_depth > 1:
+        w.micro_batch_cap = draw(st.one_of(st.none(), st.integers(1, 4)))
     if draw(st.booleans()):
         w.scheduling_policy = "priority"
         for spec in w.requests:

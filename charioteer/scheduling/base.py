@@ -125,6 +125,9 @@ class Scheduler(ABC):
         self.running: list[Request] = []  # admission order (priority: priority_key order); victims last
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
+        # Ready requests a capped plan hides from the policy (flagged in flight meanwhile): unlike
+        # requests really in flight, they may be preempted to make room.
+        self._hidden: set[int] = set()
 
     # ---- queue management -------------------------------------------------------------
 
@@ -263,12 +266,13 @@ class Scheduler(ABC):
         while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
             if in_batch is None:  # built only when memory runs out: this is the hot path
                 in_batch = {id(e.request) for e in batch.entries}
-            victims = [r for r in self.running if id(r) not in in_batch and r is not request and not r.in_flight]
+            victims = [r for r in self.running if id(r) not in in_batch and r is not request
+                       and (not r.in_flight or id(r) in self._hidden)]
             if victims and self.by_priority and victims[-1].priority_key < request.priority_key:
                 self._preempt(request, batch)  # every candidate outranks it: it yields
                 return False
             if not victims:
-                if any(r.in_flight for r in self.running if r is not request):
+                if any(r.in_flight and id(r) not in self._hidden for r in self.running if r is not request):
                     return False  # wait for in-flight batches to return instead of thrashing
                 self._preempt(request, batch)
                 return False
@@ -317,11 +321,13 @@ class Scheduler(ABC):
         held = [self.waiting.pop() for _ in range(max(0, len(self.waiting) - room))][::-1]
         for r in hidden:
             r.in_flight = True
+        self._hidden = {id(r) for r in hidden}
         try:
             return self._schedule()
         finally:
             for r in hidden:
                 r.in_flight = False
+            self._hidden = set()
             if self.by_priority:  # requests preempted meanwhile may belong after some held ones
                 for r in held:
                     _insert_by_priority(self.waiting, r)
