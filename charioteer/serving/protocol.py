@@ -77,6 +77,7 @@ class _Common(_Strict):
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    priority: int | None = None  # lower first; needs --scheduling-policy priority
 
 
 class CompletionRequest(_Common):
@@ -247,6 +248,7 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             seed=req.seed,
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            priority=req.priority or 0,
         )
     except ValueError as exc:
         message = str(exc)
