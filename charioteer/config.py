@@ -21,6 +21,7 @@ from charioteer.memory.block_manager import KV_POLICIES
 from charioteer.model.precision import DTYPES, QUANTIZATIONS
 
 SCHEDULERS = ("sarathi", "orca", "vllm", "request-level")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:
@@ -92,6 +93,19 @@ class SchedulerConfig:
     tile_size: int | None = setting(None, "sarathi: shrink C so that C + decodes is a multiple of this (default: off)")
     token_budget_mode: bool = setting(
         False, "sarathi: decodes first, then fill the token budget with chunks (Sarathi-Serve, vLLM)")
+    max_num_partial_prefills: int = setting(
+        1, "sarathi: prompts that may be mid-prefill at once; the batch's prompt tokens (strict: the chunk C) "
+           "are shared fairly among up to this many prompts, so one long prompt cannot hold short ones back",
+        metavar="N")
+    max_long_partial_prefills: int = setting(
+        1, "sarathi: of those, how many may be long prompts (over --long-prefill-token-threshold); shorter "
+           "prompts may pass a long one waiting for its turn", metavar="N")
+    long_prefill_token_threshold: int | None = setting(
+        None, "sarathi: a prompt over this many tokens is long, and takes at most this many tokens per batch "
+              "(default: none with one partial prefill, else 4% of the context, as vLLM)", metavar="TOKENS")
+    scheduling_policy: str = setting(
+        "fcfs", "fcfs: first come, first served; priority: lower request priority first (FCFS among "
+                "equals), and the lowest priority is preempted first", choices=SCHEDULING_POLICIES)
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:
@@ -108,6 +122,38 @@ class SchedulerConfig:
         _check_min("tile_size", self.tile_size)
         if self.token_budget_mode and self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self.max_chunk_size if self.chunk_size == "auto" else self.chunk_size
+        self._check_partial_prefills()
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
+
+    def _check_partial_prefills(self) -> None:
+        _check_min("max_num_partial_prefills", self.max_num_partial_prefills, optional=False)
+        _check_min("max_long_partial_prefills", self.max_long_partial_prefills, optional=False)
+        _check_min("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if self.policy != "sarathi" and (self.max_num_partial_prefills > 1
+                                         or self.long_prefill_token_threshold is not None):
+            raise ValueError(f"max_num_partial_prefills and long_prefill_token_threshold share prompt chunks, and "
+                             f"the {self.policy} scheduler runs whole prompts: use --scheduler sarathi or drop them")
+
+    @property
+    def fair_prefills(self) -> bool:
+        """Whether prompt tokens are shared among prompts (partial prefills) or go to one at a time."""
+        return self.max_num_partial_prefills > 1 or self.long_prefill_token_threshold is not None
+
+    def for_context(self, max_model_len: int) -> "SchedulerConfig":
+        """These settings checked against a model's context, with vLLM's default long-prompt threshold
+        (4% of the context) when several partial prefills are allowed and no threshold is given."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold > max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({threshold}) is over the model's context of "
+                             f"{max_model_len} tokens: lower it")
+        if threshold is None and self.max_num_partial_prefills > 1:
+            return dataclasses.replace(self, long_prefill_token_threshold=max(1, max_model_len * 4 // 100))
+        return self
 
 
 @dataclass

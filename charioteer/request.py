@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token
+    # Lower runs first under scheduling_policy="priority". vLLM takes it beside the parameters
+    # (generate(..., priority=)); those keywords set it here, so it travels with the request.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +56,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {self.priority!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -125,6 +130,15 @@ class Request:
         """True while prompt (or recompute) work is pending; False once it decodes one token a step."""
         n = len(self.output_token_ids)
         return n == 0 or len(self.prompt_token_ids) + n - self.num_computed_tokens > 1
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Order under priority scheduling: lower priority first, then earlier arrival."""
+        return self.params.priority, self.arrival_time
 
     @property
     def is_finished(self) -> bool:

@@ -175,7 +175,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def live(tiny_model):
-    from test_server import LiveServer
+    from live_server import LiveServer
 
     s = LiveServer(tiny_model, ServerConfig(), scheduler="sarathi", chunk_size=64, max_num_seqs=8)
     yield s

@@ -47,6 +47,7 @@ class ReqSpec:
     arrival: int  # step at which add_request is called
     eos: bool  # whether the request has eos_token_id == EOS (else None)
     ignore_eos: bool = False
+    priority: int = 0
 
 
 @dataclass
@@ -65,6 +66,11 @@ class Workload:
     eos_mod: int = 50
     seed: int = 0
     pipeline_depth: int = 1  # batches in flight at once (pipeline micro-batches)
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "fcfs"
+    micro_batch_cap: int | None = None  # schedule(max_requests): the pipeline's per-micro-batch cap
 
     def config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -74,6 +80,10 @@ class Workload:
             max_num_batched_tokens=self.budget,
             tile_size=self.tile_size,
             token_budget_mode=self.token_budget_mode,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduling_policy=self.scheduling_policy,
         )
 
 
@@ -100,7 +110,7 @@ def make_request(w: Workload, index: int) -> Request:
     return Request(
         request_id=f"r{index}",
         prompt_token_ids=[(index * 31 + j) % 997 + 1 for j in range(spec.prompt_len)],
-        params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
+        params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos, priority=spec.priority),
         eos_token_id=EOS if spec.eos else None,
     )
 
@@ -194,6 +204,10 @@ def _check_queues(sched) -> None:
         assert r.status is RequestStatus.WAITING
         assert r.num_computed_tokens == 0, "a waiting request keeps no KV"
         assert not r.in_flight
+    if sched.by_priority:
+        for queue in (list(sched.running), list(sched.waiting)):
+            keys = [r.priority_key for r in queue]
+            assert keys == sorted(keys), "priority scheduling keeps both queues in priority order"
 
 
 def spec_chunk_len(cfg: SchedulerConfig, num_decodes: int) -> int:
@@ -241,7 +255,22 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
     if w.kv_policy == "reserve":
         assert not batch.preempted
 
-    if w.policy == "sarathi" and not cfg.token_budget_mode:
+    threshold = cfg.long_prefill_token_threshold
+    if threshold is not None:
+        assert all(p.num_tokens <= threshold for p in batch.prefills), "a long prompt took over its threshold"
+    if w.policy == "sarathi" and cfg.token_budget_mode:
+        partial = [p for p in batch.prefills if not p.samples and p.request.request_id not in before["ready"]]
+        assert len(partial) <= cfg.max_num_partial_prefills, "token-budget mode started too many partial prefills"
+    if w.policy == "sarathi" and not cfg.token_budget_mode and cfg.fair_prefills:
+        prefills = batch.prefills
+        assert len(prefills) <= cfg.max_num_partial_prefills, "strict SARATHI: at most N prompts per batch"
+        assert sum(p.num_tokens for p in prefills) <= spec_chunk_len(cfg, len(batch.decodes))
+        if not batch.preempted and not before["flying"] and w.micro_batch_cap is None:
+            limit = cfg.max_num_seqs - 1 if before["prefill_pending"] else cfg.max_num_seqs
+            if budget is not None:
+                limit = min(limit, budget)
+            assert len(batch.decodes) == min(before["num_decodes"], limit)
+    elif w.policy == "sarathi" and not cfg.token_budget_mode:
         prefills = batch.prefills
         assert len(prefills) <= 1, "strict SARATHI: at most one prompt chunk per batch"
         n_dec = len(batch.decodes)
@@ -254,14 +283,14 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
             assert p.num_tokens == chunk or p.samples, "a chunk is full-size unless it ends the prompt"
         # Completeness checks hold when nothing else is in flight: with batches in flight, a
         # request that cannot grow may wait for them to return (no preemption, not planned).
-        complete = not batch.preempted and not before["flying"]
+        complete = not batch.preempted and not before["flying"] and w.micro_batch_cap is None
         if complete:
             # Decode-maximal: every ready decode the cap allows is in the batch.
             limit = cfg.max_num_seqs - 1 if before["prefill_pending"] else cfg.max_num_seqs
             if budget is not None:
                 limit = min(limit, budget)
             assert n_dec == min(before["num_decodes"], limit)
-            if budget is None and not prefills:
+            if budget is None and not prefills and not sched.by_priority:
                 # No chunk although prompt work is pending: only if it was not admissible.
                 assert not any(r.in_prefill for r in _ready(sched))
                 if sched.waiting and len(sched.running) < cfg.max_num_seqs:
@@ -269,7 +298,7 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
                     first = min(head.num_remaining_tokens, spec_chunk_len(cfg, n_dec))
                     assert not sched.blocks.can_admit(head, first)
     elif w.policy == "sarathi":
-        if not batch.preempted and not before["flying"]:
+        if not batch.preempted and not before["flying"] and w.micro_batch_cap is None:
             assert len(batch.decodes) == min(before["num_decodes"], cfg.max_num_seqs, budget)
     else:
         # Whole prompts: every entry runs to the request's end and samples.
@@ -365,7 +394,7 @@ def run_workload(w: Workload, check: bool = True) -> Run:
                 "num_decodes": sum(1 for r in ready if not r.in_prefill),
                 "prefill_pending": _prefill_pending(sched),
             }
-            batch = sched.schedule()
+            batch = sched.schedule(w.micro_batch_cap)
             if pending and not inflight:
                 assert batch, f"empty batch while {sched.num_requests} requests are pending"
             if not pending:
@@ -519,6 +548,23 @@ def workloads(draw, policies=tuple(POLICIES), kv_policies=("paged", "reserve"), 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@st.composite
+def fair_workloads(draw, depths=(1,)) -> Workload:
+    """SARATHI with partial prefills (several prompts share a batch's prompt tokens), priorities, or both."""
+    w = draw(workloads(policies=("sarathi",), depths=depths))
+    if draw(st.booleans()):
+        w.max_num_partial_prefills = draw(st.integers(1, 4))
+        w.max_long_partial_prefills = draw(st.integers(1, w.max_num_partial_prefills))
+        w.long_prefill_token_threshold = draw(st.one_of(st.none(), st.integers(1, 64)))
+    if w.pipeline_depth > 1:
+        w.micro_batch_cap = draw(st.one_of(st.none(), st.integers(1, 4)))
+    if draw(st.booleans()):
+        w.scheduling_policy = "priority"
+        for spec in w.requests:
+            spec.priority = draw(st.integers(-2, 2))
+    return w
+
+
 # ---- property tests -------------------------------------------------------------------------
 
 
@@ -582,6 +628,14 @@ def test_invariants_pipelined(policy: str, data) -> None:
     never planned again nor preempted, keeps its blocks until its batch returns (even when
     aborted meanwhile), and everything still finishes."""
     w = data.draw(workloads(policies=(policy,), depths=(2, 3)))
+    check_final(w, run_workload(w))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(w=fair_workloads(depths=(1, 1, 2, 3)))
+def test_invariants_partial_prefills_and_priorities(w: Workload) -> None:
+    """Every invariant above holds with partial prefills and priorities too: nothing is lost, nobody
+    livelocks, outputs are exact, blocks all come back."""
     check_final(w, run_workload(w))
 
 

@@ -5,67 +5,18 @@ import asyncio
 import json
 import random
 import re
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import LiveServer
 
 from charioteer import LLM, SamplingParams
-from charioteer.config import EngineArgs
-from charioteer.engine.llm_engine import LLMEngine
-from charioteer.serving.api import ServerConfig, build_app
+from charioteer.serving.api import ServerConfig
 
 API_KEY = "sekret-key"
-
-
-class LiveServer:
-    def __init__(self, loaded, config: ServerConfig, **engine_kwargs) -> None:
-        engine = LLMEngine(EngineArgs(model=loaded.source, **engine_kwargs), loaded=loaded)
-        self.engine = engine
-        self.app = build_app(engine, config)
-        self.model = self.app.state.model_name
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            m = re.match(r"^(charioteer:[a-z_]+)(?:\{[^}]*\})? (\S+)$", line)
-            if m:
-                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
-        return values
-
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (m["charioteer:num_requests_running"] == 0 and m["charioteer:num_requests_waiting"] == 0
-                    and m["charioteer:kv_cache_usage_perc"] == 0)
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
-
-    def healthy(self) -> bool:
-        return httpx.get(self.url + "/health", timeout=10).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +195,7 @@ BAD = [
     ("unknown field", C, {"prompt": "Hi", "max_token": 5}, 400, "max_token"),
     ("missing prompt", C, {"max_tokens": 5}, 400, "prompt"),
     ("n=2", C, {"prompt": "Hi", "n": 2}, 400, "n"),
-    ("echo", C, {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("suffix", C, {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
     ("tools", CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("max_tokens 0", C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative chat", CH, {"messages": MSG, "max_tokens": -3}, 400, "max_tokens"),
@@ -256,12 +207,19 @@ BAD = [
     ("token id out of vocab", C, {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("empty messages", CH, {"messages": []}, 400, "messages"),
     ("empty message text", CH, {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
-    ("batch of prompts", C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("empty prompt in a batch", C, {"prompt": ["a", ""]}, 400, "prompt"),
+    ("empty token list in a batch", C, {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("strings and token lists mixed", C, {"prompt": ["a", [1, 2]]}, 400, "prompt"),
+    ("bad token in a batch", C, {"prompt": [[1, 2], [3, 10**9]]}, 400, "prompt"),
     ("negative seed", C, {"prompt": "Hi", "seed": -1}, 400, "seed"),
     ("too many logprobs", C, {"prompt": "Hi", "logprobs": 1000}, 400, "logprobs"),
     ("empty stop", C, {"prompt": "Hi", "stop": [""]}, 400, "stop"),
     ("stream_options without stream", C, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
+    ("continuous usage without usage", C, {"prompt": "Hi", "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats"),
+    ("stream_options unknown field", CH, {"messages": MSG, "stream": True, "stream_options": {"usage": True}}, 400,
+     "stream_options.usage"),
     ("unknown model", C, {"prompt": "Hi", "model": "gpt-17"}, 404, "model"),
     ("unknown model chat", CH, {"messages": MSG, "model": "gpt-17"}, 404, "model"),
     ("invalid utf-8", C, b'{"prompt": "caf\xc3\x28"}', 400, None),

@@ -128,3 +128,19 @@ def test_validate_runs_the_real_engine_repeatedly_and_reports_both_errors():
     assert report["validation_batches"] > 6
     assert 0.0 <= report["per_batch_mape"] < 1.0 and 0.0 <= report["completion_error"] < 1.0
     assert report["measured_completion_s"] > 0 and report["simulated_completion_s"] > 0
+
+
+def test_attention_memory_efficiency_slows_only_kv_reads():
+    from dataclasses import replace
+
+    slow = replace(A100, attention_memory_efficiency=A100.memory_efficiency / 4)
+    cluster = ClusterConfig(tp=8, pp=8)
+    base, cm = RooflineCostModel(GPT3, A100, cluster), RooflineCostModel(GPT3, slow, cluster)
+    ovh = A100.kernel_overhead_s
+    # decode attention is KV reads: four times the time at a quarter of the bandwidth
+    assert cm.decode_attention_time([3000] * 27) - ovh == pytest.approx(4 * (base.decode_attention_time([3000] * 27) - ovh))
+    assert cm.linear_time(300) == base.linear_time(300)  # weights still stream at memory_efficiency
+    same = RooflineCostModel(GPT3, replace(A100, attention_memory_efficiency=A100.memory_efficiency), cluster)
+    assert same.batch_cost([(256, 900, True), (1, 2000, False)]) == base.batch_cost([(256, 900, True), (1, 2000, False)])
+    with pytest.raises(ValueError, match="attention_memory_efficiency"):
+        replace(A100, attention_memory_efficiency=0.0)

@@ -74,7 +74,7 @@ def test_paper_fig12_sensitivity_moves_one_factor_at_a_time(capsys):
                "--no-progress"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["sensitivity"]
-    assert [r["variant"] for r in rows] == [label for label, _, _ in FIG12_SENSITIVITY]
+    assert [r["variant"] for r in rows] == [v.label for v in FIG12_SENSITIVITY]
     base, slow_hbm = rows[0]["completion_time_s"], rows[2]["completion_time_s"]
     # Halving HBM efficiency slows every deployment; decode-heavy TP-only the most.
     assert all(slow_hbm[k] > base[k] for k in base)

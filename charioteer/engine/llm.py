@@ -39,9 +39,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order.
 
+        `priority`: one integer per prompt, lower first (needs scheduling_policy="priority").
         Every prompt is validated before any runs, so one bad prompt raises ValueError and
         nothing is queued.
         """
@@ -53,7 +55,11 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        priorities = [None] * len(prompts) if priority is None else list(priority)
+        requests = [self.engine.make_request(p, sp, priority=pr)
+                    for p, sp, pr in zip(prompts, sampling_params, priorities)]
         order = {r.request_id: i for i, r in enumerate(requests)}
         for request in requests:
             self.engine.add(request)

@@ -1,6 +1,7 @@
 """The step loop: schedule -> execute -> sample -> update."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -35,7 +36,8 @@ class LLMEngine:
                                                  self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
-        self.scheduler = make_scheduler(args.scheduler_config, self.blocks, self._holds_stop_string)
+        self.scheduler = make_scheduler(args.scheduler_config.for_context(self.max_model_len), self.blocks,
+                                        self._holds_stop_string)
         # Pipeline parallelism: stage processes hold the weights and KV caches (each its layers'
         # share of the same number of KV blocks); this process keeps scheduling and sampling.
         self.executor = None
@@ -113,13 +115,16 @@ class LLMEngine:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None, *, prompt_text: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int | None = None) -> Request:
         """Validate a prompt and its parameters and build the Request, without queueing it.
 
         `prompt_text`: the text behind token-id prompts (a chat template's output), for outputs.
         `arrival_time`: when the request reached the server (time.monotonic()), if before now.
+        `priority`: replaces params.priority (lower first, under scheduling_policy="priority").
         """
         params = params or SamplingParams()
+        if priority is not None:
+            params = dataclasses.replace(params, priority=priority)
         params.validate()
         token_ids = self.encode(prompt)
         total = len(token_ids) + params.max_tokens
@@ -136,6 +141,7 @@ class LLMEngine:
                           prompt=prompt if isinstance(prompt, str) else prompt_text)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        self.scheduler.check_request(request)
         return request
 
     def add(self, request: Request, stream: bool = False) -> None:
@@ -145,8 +151,8 @@ class LLMEngine:
             self._streaming[request.request_id] = 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
-        request = self.make_request(prompt, params, request_id)
+                    request_id: str | None = None, stream: bool = False, priority: int | None = None) -> str:
+        request = self.make_request(prompt, params, request_id, priority=priority)
         self.add(request, stream)
         return request.request_id
 

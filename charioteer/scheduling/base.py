@@ -9,6 +9,12 @@ A policy only decides what goes in the next batch (`_schedule`). Updating reques
 batch returns (`on_batch_done`) is the same for all of them, and so is preemption by recompute:
 free the newest running request's blocks and put it back at the head of the queue.
 
+Under `scheduling_policy="priority"` both queues are kept in `Request.priority_key` order (lower
+priority first, then earlier arrival): the waiting queue orders admission, the running list's
+last request is the first preemption victim, a request never preempts a better one to grow (it
+yields itself), and a waiting request that outranks running ones may preempt them to be admitted
+(not under reserved KV, which promises that a running request is never preempted).
+
 Several batches may be in flight at once (pipeline micro-batches). A request inside a batch
 that has not returned is skipped by the next plans, is never a preemption victim, and keeps its
 KV blocks until that batch returns, even if it is aborted meanwhile.
@@ -22,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from charioteer.config import SchedulerConfig
-from charioteer.memory.block_manager import BlockManager
+from charioteer.memory.block_manager import BlockManager, cdiv
 from charioteer.request import Request, RequestStatus
 
 # What a cost model needs of one entry: (num_tokens, start, is_prefill). A plain tuple: the
@@ -76,6 +82,13 @@ class Batch(PlanCounts):
         self.entries.append(entry)
         return entry
 
+    def grow(self, entry: BatchEntry, extra: int) -> BatchEntry:
+        """Replace `entry` by one that runs `extra` more of its request's tokens (KV slots already ensured)."""
+        request, num = entry.request, entry.num_tokens + extra
+        grown = BatchEntry(request, entry.start, num, entry.is_prefill, entry.start + num == request.num_tokens)
+        self.entries[self.entries.index(entry)] = grown
+        return grown
+
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -91,6 +104,14 @@ class Batch(PlanCounts):
         return [e for e in self.entries if not e.is_prefill]
 
 
+def _insert_by_priority(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Insert after every request of the same or a better priority_key (the queue is in that order)."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].priority_key > request.priority_key:
+        i -= 1
+    queue.insert(i, request)
+
+
 class Scheduler(ABC):
     name: str = ""
 
@@ -101,12 +122,24 @@ class Scheduler(ABC):
         self.blocks = block_manager
         self.holds_stop_string = holds_stop_string
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: newest last
+        self.running: list[Request] = []  # admission order (priority: priority_key order); victims last
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
+        # Ready requests a capped plan hides from the policy (flagged in flight meanwhile): unlike
+        # requests really in flight, they may be preempted to make room.
+        self._hidden: set[int] = set()
 
     # ---- queue management -------------------------------------------------------------
 
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if this scheduler cannot take `request` (before anything is queued)."""
+        if request.priority != 0 and not self.by_priority:
+            raise ValueError(f"request {request.request_id} has priority {request.priority} but the scheduling "
+                             f"policy is {self.config.scheduling_policy}: start with --scheduling-policy priority "
+                             f"(scheduling_policy='priority') or leave priority at 0")
+
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
         if not self.blocks.fits_ever(request):
             raise ValueError(
                 f"request {request.request_id} needs {request.max_num_tokens} tokens of KV cache "
@@ -115,7 +148,17 @@ class Scheduler(ABC):
                 f"or give the KV cache more memory"
             )
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into the waiting queue: at its tail (new) or head (preempted), or by priority."""
+        if not self.by_priority:
+            if front:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        _insert_by_priority(self.waiting, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -155,21 +198,27 @@ class Scheduler(ABC):
 
     # ---- building blocks for policies -------------------------------------------------
 
+    def _can_admit(self, request: Request, first_tokens: int) -> bool:
+        return len(self.running) < self.config.max_num_seqs and self.blocks.can_admit(request, first_tokens)
+
     def _admit(self, request: Request, first_tokens: int) -> bool:
-        """Move the head of the waiting queue to running if memory allows its first batch."""
-        if len(self.running) >= self.config.max_num_seqs:
+        """Move a waiting request (normally the head) to running if memory allows its first batch."""
+        if not self._can_admit(request, first_tokens):
             return False
-        if not self.blocks.can_admit(request, first_tokens):
-            return False
-        assert self.waiting[0] is request
-        self.waiting.popleft()
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
         self.blocks.admit(request, first_tokens)
         if not self.blocks.ensure(request, request.num_computed_tokens + first_tokens):
             raise AssertionError("admission checked the blocks it needs")
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
             request.scheduled_time = time.monotonic()
-        self.running.append(request)
+        if self.by_priority:
+            _insert_by_priority(self.running, request)
+        else:
+            self.running.append(request)
         return True
 
     def _preempt(self, request: Request, batch: Batch) -> None:
@@ -179,8 +228,30 @@ class Scheduler(ABC):
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         batch.preempted.append(request)
+
+    def _first_tokens(self, request: Request) -> int:
+        """Tokens a waiting request's first batch would take (whole prompts; SARATHI: one chunk)."""
+        return request.num_remaining_tokens
+
+    def _preempt_for_priority(self, batch: Batch) -> None:
+        """Priority policy: while the best waiting request cannot be admitted (batch cap or memory),
+        preempt running requests of strictly lower priority, the lowest (latest) first."""
+        while self.waiting:
+            head = self.waiting[0]
+            first = self._first_tokens(head)
+            victims = [r for r in self.running if not r.in_flight and r.priority > head.priority]
+            if not victims or self._can_admit(head, first) or not self._fits_without(head, first, victims):
+                return
+            self._preempt(victims[-1], batch)
+
+    def _fits_without(self, request: Request, first_tokens: int, others: list[Request]) -> bool:
+        """Whether `request` could be admitted once `others` are preempted."""
+        blocks = self.blocks  # paged KV: the first batch's blocks
+        freed = sum(len(blocks.block_table(r)) for r in others)
+        return (len(self.running) - len(others) < self.config.max_num_seqs
+                and cdiv(first_tokens, blocks.block_size) <= blocks.num_free_blocks + freed)
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, batch: Batch) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others.
@@ -195,9 +266,13 @@ class Scheduler(ABC):
         while not self.blocks.ensure(request, request.num_computed_tokens + num_tokens):
             if in_batch is None:  # built only when memory runs out: this is the hot path
                 in_batch = {id(e.request) for e in batch.entries}
-            victims = [r for r in self.running if id(r) not in in_batch and r is not request and not r.in_flight]
+            victims = [r for r in self.running if id(r) not in in_batch and r is not request
+                       and (not r.in_flight or id(r) in self._hidden)]
+            if victims and self.by_priority and victims[-1].priority_key < request.priority_key:
+                self._preempt(request, batch)  # every candidate outranks it: it yields
+                return False
             if not victims:
-                if any(r.in_flight for r in self.running if r is not request):
+                if any(r.in_flight and id(r) not in self._hidden for r in self.running if r is not request):
                     return False  # wait for in-flight batches to return instead of thrashing
                 self._preempt(request, batch)
                 return False
@@ -227,10 +302,14 @@ class Scheduler(ABC):
         pipeline parallelism): the policy sees only that many ready running requests, oldest
         first, and only as many waiting ones as there is room left.
         """
+        preempted = Batch()
+        if self.by_priority and self.blocks.policy != "reserve":  # reserved KV promises no preemption
+            self._preempt_for_priority(preempted)
         if max_requests is None:
             batch = self._schedule()
         else:
             batch = self._schedule_capped(max_requests)
+        batch.preempted[:0] = preempted.preempted
         for entry in batch.entries:
             entry.request.in_flight = True
         return batch
@@ -242,12 +321,18 @@ class Scheduler(ABC):
         held = [self.waiting.pop() for _ in range(max(0, len(self.waiting) - room))][::-1]
         for r in hidden:
             r.in_flight = True
+        self._hidden = {id(r) for r in hidden}
         try:
             return self._schedule()
         finally:
             for r in hidden:
                 r.in_flight = False
-            self.waiting.extend(held)
+            self._hidden = set()
+            if self.by_priority:  # requests preempted meanwhile may belong after some held ones
+                for r in held:
+                    _insert_by_priority(self.waiting, r)
+            else:
+                self.waiting.extend(held)
 
     def release(self, batches: list[Batch]) -> None:
         """Batches that will never return (their executor failed): their requests leave flight."""

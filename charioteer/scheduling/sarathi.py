@@ -6,11 +6,23 @@ shrinks so that C + decodes lands on a multiple of the hardware tile.
 
 Token-budget mode (Sarathi-Serve, vLLM's chunked prefill): decodes first, then fill the token
 budget with chunks, possibly from several prompts.
+
+Partial prefills (vLLM's `max_num_partial_prefills`, `max_long_partial_prefills`,
+`long_prefill_token_threshold`): with N > 1 the batch's prompt tokens (strict: the chunk C, token
+budget: what the decodes leave) are shared among prompts. Each prompt first gets at most an equal
+share (C // N), a long prompt (over the threshold) never more than the threshold; what the shares
+leave goes back to the prompts, in order, up to their limits. Strict mode takes at most N prompts
+per batch; token-budget mode leaves at most N of them part-way (whole prompts that fit still
+join). A waiting long prompt lets shorter ones pass while `max_long_partial_prefills` long ones
+are mid-prefill. With the defaults (N = 1, no threshold) this is the one-chunk plan above.
 """
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
+
 from charioteer.request import Request
-from charioteer.scheduling.base import Batch, Scheduler
+from charioteer.scheduling.base import Batch, BatchEntry, Scheduler
 
 
 class SarathiScheduler(Scheduler):
@@ -66,8 +78,10 @@ class SarathiScheduler(Scheduler):
             if self._grow_or_preempt(request, 1, batch):
                 batch.add(request, 1)
 
-    def _add_chunk(self, batch: Batch, request: Request, max_tokens: int, admit: bool) -> bool:
-        num = min(request.num_remaining_tokens, max_tokens)
+    def _first_tokens(self, request: Request) -> int:
+        return min(request.num_remaining_tokens, self.token_budget or request.num_remaining_tokens)
+
+    def _add_chunk(self, batch: Batch, request: Request, num: int, admit: bool) -> bool:
         if num < 1:
             return False
         if admit:
@@ -84,25 +98,83 @@ class SarathiScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         if self.config.token_budget_mode:
             self._add_decodes(batch, min(cap, budget))
-            for request in self._running_prefills():
-                left = budget - batch.num_tokens
-                if left < 1 or len(batch) >= cap:
-                    return batch
-                self._add_chunk(batch, request, left, admit=False)
-            while self.waiting and len(batch) < cap:
-                left = budget - batch.num_tokens
-                if left < 1 or not self._add_chunk(batch, self.waiting[0], left, admit=True):
-                    break
+            self._add_prefills(batch, budget - batch.num_tokens, max_prompts=None)
             return batch
-
         limit = cap - 1 if self._prefill_pending() else cap
         if budget is not None:
             limit = min(limit, budget)
         self._add_decodes(batch, limit)
-        chunk = self.chunk_len(len(batch))
-        prefilling = self._running_prefills()
-        if prefilling:
-            self._add_chunk(batch, prefilling[0], chunk, admit=False)
-        elif self.waiting:
-            self._add_chunk(batch, self.waiting[0], chunk, admit=True)
+        self._add_prefills(batch, self.chunk_len(len(batch)), max_prompts=self.config.max_num_partial_prefills)
         return batch
+
+    # ---- prompt chunks ------------------------------------------------------------------
+
+    def _waiting_in_order(self) -> Iterator[tuple[Request, bool]]:
+        """The waiting queue from its head, while admissions remove requests from it."""
+        i = 0
+        while i < len(self.waiting):
+            request = self.waiting[i]
+            yield request, True
+            if i < len(self.waiting) and self.waiting[i] is request:
+                i += 1  # still waiting: step past it
+
+    def _prefill_candidates(self) -> Iterator[tuple[Request, bool]]:
+        """(request, whether it waits for admission): ready running prompts, then waiting ones; under
+        the priority policy, merged by priority."""
+        running = [(r, False) for r in self._running_prefills()]
+        if self.by_priority:
+            yield from heapq.merge(running, self._waiting_in_order(), key=lambda c: c[0].priority_key)
+        else:
+            yield from running
+            yield from self._waiting_in_order()
+
+    def _is_long(self, request: Request) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return threshold is not None and request.num_remaining_tokens > threshold
+
+    def _add_prefills(self, batch: Batch, tokens: int, max_prompts: int | None) -> None:
+        """Give up to `tokens` prompt tokens to prompts (see the module's docstring); `max_prompts`
+        caps the prompts tried (strict mode), else at most N prompts are left part-way."""
+        config = self.config
+        n = config.max_num_partial_prefills
+        share = tokens if n == 1 else max(1, tokens // n)
+        limit = config.long_prefill_token_threshold or tokens
+        num_long = sum(1 for r in self.running if r.in_prefill and self._is_long(r))
+        added: list[BatchEntry] = []
+        tried = partial = 0
+        admitting = True
+        for request, waiting in self._prefill_candidates():
+            left = tokens - sum(e.num_tokens for e in added)
+            if left < 1 or len(batch) >= config.max_num_seqs or (max_prompts and tried >= max_prompts):
+                break
+            if waiting and not admitting:
+                continue
+            if waiting and self._is_long(request) and num_long >= config.max_long_partial_prefills:
+                continue  # shorter prompts may pass it
+            num = min(request.num_remaining_tokens, share, left, limit)
+            if waiting and num < request.num_remaining_tokens and partial >= n:
+                break
+            if not self._add_chunk(batch, request, num, admit=waiting):
+                if not waiting:
+                    tried += 1
+                elif not self.by_priority:
+                    break  # first come, first served: nobody passes the head for lack of memory
+                else:
+                    admitting = False  # priority: running prompts after it still get their chunks
+                continue
+            tried += 1
+            added.append(batch.entries[-1])
+            partial += num < request.num_remaining_tokens
+            num_long += waiting and self._is_long(request)
+        if n > 1:
+            self._top_up(batch, added, tokens - sum(e.num_tokens for e in added), limit)
+
+    def _top_up(self, batch: Batch, added: list[BatchEntry], left: int, limit: int) -> None:
+        """Hand the tokens the equal shares left over back to the prompts, in order, while KV blocks allow."""
+        for entry in added:
+            request = entry.request
+            extra = min(left, request.num_remaining_tokens - entry.num_tokens, limit - entry.num_tokens)
+            if extra < 1 or not self.blocks.ensure(request, entry.end + extra):
+                continue
+            batch.grow(entry, extra)
+            left -= extra

@@ -1,12 +1,15 @@
-"""The FastAPI application: OpenAI-compatible completions and chat, /health, /metrics, /dashboard."""
+"""The FastAPI application: OpenAI-compatible completions and chat, vLLM's /tokenize and /detokenize,
+/health, /metrics, /dashboard."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -14,11 +17,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from charioteer.engine.llm_engine import LLMEngine
-from charioteer.serving import protocol
-from charioteer.serving import dashboard
+from charioteer.serving import dashboard, protocol, replies, tokenization
 from charioteer.serving.async_engine import AsyncEngine, Delta, EngineError, QueueFull, RequestStream
 from charioteer.serving.metrics import ServerMetrics
 from charioteer.serving.protocol import APIError
+from charioteer.serving.stream_group import StreamGroup
 
 log = logging.getLogger("charioteer.serving")
 
@@ -50,6 +53,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app
 
 
@@ -115,12 +120,21 @@ class Server:
         arrival = time.monotonic()
         req = await self.read_request(request, protocol.CompletionRequest)
         protocol.check_completion(req)
-        prompt = protocol.completion_prompt(req)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        prompts = protocol.completion_prompts(req)
+        if len(prompts) > self.async_engine.max_outstanding:
+            raise protocol.bad_request(f"a batch of {len(prompts)} prompts is more than this server holds at once "
+                                       f"({self.async_engine.max_outstanding}); send fewer", param="prompt")
+        echo_only = bool(req.echo) and req.max_tokens == 0  # returns the prompt; 1 token is still run, as vLLM does
+        max_tokens = 16 if req.max_tokens is None else (1 if echo_only else req.max_tokens)  # 16: OpenAI's default
         params = protocol.sampling_params(req, max_tokens, req.logprobs)
-        stream = await self.submit(prompt, params, None, False, arrival, "cmpl")
-        reply = protocol.CompletionReply(stream.request_id, self.model_name, _include_usage(req), req.logprobs)
-        return await _respond(request, bool(req.stream), stream, reply)
+        if req.echo and req.logprobs is not None:
+            params.prompt_logprobs = req.logprobs
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        group = await self.submit_all(prompts, params, arrival, request_id, bool(req.echo))
+        reply = replies.CompletionReply(request_id, self.model_name, len(prompts), req.stream_options, req.logprobs,
+                                        [s.prompt_text or "" for s in group.streams] if req.echo else None,
+                                        echo_only)
+        return await _respond(request, bool(req.stream), group, reply)
 
     async def chat_completions(self, request: Request):
         arrival = time.monotonic()
@@ -131,14 +145,32 @@ class Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = protocol.sampling_params(req, max_tokens, logprobs)
         stream = await self.submit(None, params, messages, max_tokens is None, arrival, "chatcmpl")
-        reply = protocol.ChatReply(stream.request_id, self.model_name, _include_usage(req), bool(req.logprobs))
-        return await _respond(request, bool(req.stream), stream, reply)
+        reply = replies.ChatReply(stream.request_id, self.model_name, req.stream_options, bool(req.logprobs))
+        return await _respond(request, bool(req.stream), StreamGroup([stream]), reply)
+
+    async def tokenize(self, request: Request):
+        body = protocol.parse_json(await self.read_body(request))
+        model_cls = protocol.TokenizeChatRequest if "messages" in body else protocol.TokenizeCompletionRequest
+        req = self.check_model(protocol.validate_body(body, model_cls))
+        if isinstance(req, protocol.TokenizeChatRequest):
+            protocol.check_tokenize_chat(req)
+            job = tokenization.chat_job(protocol.chat_messages(req), req.add_generation_prompt,
+                                        req.add_special_tokens, bool(req.return_token_strs))
+        else:
+            job = tokenization.text_job(req.prompt, req.add_special_tokens, bool(req.return_token_strs))
+        return await self.on_engine(job, "messages" if "messages" in body else "prompt")
+
+    async def detokenize(self, request: Request):
+        req = await self.read_request(request, protocol.DetokenizeRequest)
+        return await self.on_engine(tokenization.detokenize_job(req.tokens), "tokens")
 
     # ---- request handling ---------------------------------------------------------------------
 
     async def read_request(self, request: Request, model_cls: type):
         """The parsed body, for the model this server serves (or none named)."""
-        req = protocol.parse_body(await self.read_body(request), model_cls)
+        return self.check_model(protocol.parse_body(await self.read_body(request), model_cls))
+
+    def check_model(self, req):
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"the model '{req.model}' does not exist: this server serves '{self.model_name}'",
                            "invalid_request_error", "model", "model_not_found")
@@ -163,12 +195,33 @@ class Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def submit(self, prompt, params, messages, auto_max_tokens, arrival, prefix) -> RequestStream:
-        if not self.async_engine.alive:
-            raise APIError(503, "the engine is not running", "server_error", None, "engine_dead")
+    async def submit_all(self, prompts, params, arrival, request_id: str, echo: bool) -> StreamGroup:
+        """One request per prompt, queued together; if any is refused, the others are released and
+        the first refusal (in prompt order) is raised."""
+        if len(prompts) == 1:
+            return StreamGroup([await self.submit(prompts[0], params, None, False, arrival, request_id=request_id,
+                                                  echo=echo)])
+        results = await asyncio.gather(*(
+            self.submit(p, copy.deepcopy(params), None, False, arrival, request_id=f"{request_id}-{i}", echo=echo)
+            for i, p in enumerate(prompts)), return_exceptions=True)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    r.close()
+            i, exc = failed[0]
+            if isinstance(exc, APIError) and exc.status == 400:
+                raise protocol.bad_request(f"prompt {i}: {exc.message}", exc.param, exc.code) from None
+            raise exc
+        return StreamGroup(list(results))
+
+    async def submit(self, prompt, params, messages, auto_max_tokens, arrival, prefix="cmpl", request_id=None,
+                     echo=False) -> RequestStream:
+        self.check_alive()
         try:
             return await self.async_engine.submit(prompt, params, messages=messages, auto_max_tokens=auto_max_tokens,
-                                                  arrival_time=arrival, prefix=prefix)
+                                                  arrival_time=arrival, prefix=prefix, request_id=request_id,
+                                                  echo=echo)
         except QueueFull as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later", "server_overloaded", None, "queue_full",
                            {"Retry-After": str(self.config.retry_after_s)}) from None
@@ -177,42 +230,49 @@ class Server:
             param = "max_tokens" if "max_tokens" in message else ("messages" if messages is not None else "prompt")
             raise protocol.bad_request(message, param=param) from None
 
+    async def on_engine(self, job, param: str):
+        """job(engine) on the engine thread; its ValueError is a 400 naming `param`."""
+        self.check_alive()
+        try:
+            return await self.async_engine.call(job)
+        except ValueError as exc:
+            raise protocol.bad_request(str(exc), param=param) from None
 
-def _include_usage(req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+    def check_alive(self) -> None:
+        if not self.async_engine.alive:
+            raise APIError(503, "the engine is not running", "server_error", None, "engine_dead")
 
 
-async def _respond(request: Request, streaming: bool, stream: RequestStream, reply: protocol.Reply):
+async def _respond(request: Request, streaming: bool, group: StreamGroup, reply: replies.Reply):
     if streaming:
-        return SSEResponse(stream, reply)
-    return reply.answer(await _collect(request, stream))
+        return SSEResponse(group, reply)
+    return reply.answer(await _collect(request, group))
 
 
-async def _collect(request: Request, stream: RequestStream) -> list[Delta]:
-    """All deltas of a non-streaming request; aborts it if the client goes away."""
-    watcher = asyncio.create_task(_close_on_disconnect(request.receive, stream))
-    deltas: list[Delta] = []
+async def _collect(request: Request, group: StreamGroup) -> list[list[Delta]]:
+    """All deltas of a non-streaming call, per choice; aborts its requests if the client goes away."""
+    watcher = asyncio.create_task(_close_on_disconnect(request.receive, group))
+    choices: list[list[Delta]] = [[] for _ in group.streams]
     try:
-        while True:
-            delta = await stream.next()
-            if delta is None:  # the client went away
+        while not group.finished:
+            item = await group.next()
+            if item is None:  # the client went away
                 raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
-            deltas.append(delta)
-            if delta.finished:
-                return deltas
+            choices[item[0]].append(item[1])
+        return choices
     except EngineError as exc:
         raise APIError(500, str(exc), "internal_error", None, "engine_error") from None
     finally:
         watcher.cancel()
-        stream.close()
+        group.close()
 
 
-async def _close_on_disconnect(receive, stream: RequestStream) -> None:
-    """Closes the stream, aborting its request at once, when the client disconnects."""
+async def _close_on_disconnect(receive, group: StreamGroup) -> None:
+    """Closes the group, aborting its requests at once, when the client disconnects."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            stream.close()
+            group.close()
             return
 
 
@@ -239,15 +299,18 @@ async def _on_unexpected(request: Request, exc: Exception):  # pragma: no cover 
                         status_code=500)
 
 
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what the API key protects; probes and pages are open
+
+
 class APIKeyMiddleware:
-    """401 for /v1 requests without `Authorization: Bearer <key>` (plain ASGI: keeps streaming intact)."""
+    """401 for API requests without `Authorization: Bearer <key>` (plain ASGI: keeps streaming intact)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             given = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -270,48 +333,47 @@ def _sse(obj) -> bytes:
 
 
 class SSEResponse(Response):
-    """Server-sent events for one request: `data: {json}` chunks, then `data: [DONE]`.
+    """Server-sent events for one API call: `data: {json}` chunks, then `data: [DONE]`.
 
-    Watches the connection while streaming: a client that goes away aborts its request at
-    once (the engine frees its KV blocks before its next step), not at the next token.
+    Nothing but the headers goes out before the first token (the reply holds chat's role chunk
+    back until then). Watches the connection while streaming: a client that goes away aborts its
+    requests at once (the engine frees their KV blocks before its next step), not at the next token.
     """
 
-    def __init__(self, stream: RequestStream, reply: protocol.Reply) -> None:
+    def __init__(self, group: StreamGroup, reply: replies.Reply) -> None:
         # Not Response.__init__, which renders a whole body; FastAPI still reads `background`.
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                             (b"x-accel-buffering", b"no")]
-        self.stream, self.reply = stream, reply
+        self.group, self.reply = group, reply
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.create_task(_close_on_disconnect(receive, self.stream))
+        watcher = asyncio.create_task(_close_on_disconnect(receive, self.group))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            for obj in self.reply.head_chunks():
-                await self._event(send, obj)
             if await self._send_deltas(send):
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except OSError:  # the connection broke while sending
             pass
         finally:
             watcher.cancel()
-            self.stream.close()
+            self.group.close()
 
     async def _send_deltas(self, send) -> bool:
-        """An event per delta, through the last; False if the client went away first."""
+        """Events for every delta, through the last choice's last; False if the client went away first."""
         while True:
             try:
-                delta = await self.stream.next()
+                item = await self.group.next()
             except EngineError as exc:
                 await self._event(send, protocol.error_body(str(exc), "internal_error", None, "engine_error"))
                 return True
-            if delta is None:
+            if item is None:
                 return False
-            if delta.text or delta.finished or delta.logprobs:
-                await self._event(send, self.reply.delta_chunk(delta))
-            if delta.finished:
-                for obj in self.reply.final_chunks(delta):
+            for obj in self.reply.chunks(*item):
+                await self._event(send, obj)
+            if self.group.finished:
+                for obj in self.reply.final_chunks():
                     await self._event(send, obj)
                 return True
 

@@ -2,8 +2,9 @@
 
 The engine is not thread-safe, so every call into it (tokenizing, make_request, add, step,
 abort) happens on the engine thread. The event loop talks to it through a command deque
-(`add` and `abort`), and the engine thread answers through `loop.call_soon_threadsafe`
-onto one asyncio.Queue per request. The event loop never waits on the engine.
+(`add`, `abort` and `call`), and the engine thread answers through `loop.call_soon_threadsafe`
+onto one asyncio.Queue per request (or one future per call). The event loop never waits on
+the engine.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.request import Request, RequestOutput, SamplingParams
@@ -21,6 +24,7 @@ from charioteer.serving.dashboard import DashboardHub
 from charioteer.serving.metrics import ServerMetrics
 
 log = logging.getLogger("charioteer.serving")
+T = TypeVar("T")
 
 
 class QueueFull(Exception):
@@ -34,8 +38,8 @@ class EngineError(Exception):
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None  # None for a prompt's first token: nothing predicts it
+    top: list[tuple[str, float]] | None
 
 
 @dataclass
@@ -48,6 +52,14 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a request's first delta, when asked for
+
+
+@dataclass
+class Accepted:
+    """The engine's answer to an `add` it accepted."""
+    prompt_token_ids: list[int]
+    prompt_text: str | None  # the prompt as text (token-id prompts decoded), when echo asked for it
 
 
 _CLOSED = object()  # wakes a consumer whose request was closed from outside (disconnect)
@@ -60,6 +72,7 @@ class RequestStream:
     engine: "AsyncEngine"
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_tokens: int = 0
+    prompt_text: str | None = None  # set when submitted with echo=True
     finished: bool = False
     closed: bool = False
 
@@ -94,6 +107,7 @@ class _Submission:
     params: SamplingParams
     auto_max_tokens: bool
     arrival_time: float
+    echo: bool = False
 
 
 @dataclass
@@ -143,18 +157,20 @@ class AsyncEngine:
 
     async def submit(self, prompt: str | list[int] | None, params: SamplingParams, *,
                      messages: list[dict] | None = None, auto_max_tokens: bool = False,
-                     arrival_time: float | None = None, prefix: str = "cmpl") -> RequestStream:
+                     arrival_time: float | None = None, prefix: str = "cmpl", request_id: str | None = None,
+                     echo: bool = False) -> RequestStream:
         """Queue a request; returns once the engine accepted it (raises ValueError if it refused).
 
-        Raises QueueFull at once if too many requests are outstanding.
+        Raises QueueFull at once if too many requests are outstanding. `echo`: also give the
+        prompt as text (`stream.prompt_text`).
         """
         if self.num_outstanding >= self.max_outstanding:
             self.metrics.rejected.inc()
             raise QueueFull(f"{self.num_outstanding} requests outstanding, the limit is {self.max_outstanding}")
-        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", self)
+        stream = RequestStream(request_id or f"{prefix}-{uuid.uuid4().hex}", self)
         self.num_outstanding += 1
         self._send(("add", _Submission(stream, prompt, messages, params, auto_max_tokens,
-                                       arrival_time if arrival_time is not None else time.monotonic())))
+                                       arrival_time if arrival_time is not None else time.monotonic(), echo)))
         try:
             item = await stream.queue.get()
         except BaseException:
@@ -164,8 +180,15 @@ class AsyncEngine:
             stream.finished = True
             stream.close()
             raise item
-        stream.prompt_tokens = item
+        stream.prompt_tokens = len(item.prompt_token_ids)
+        stream.prompt_text = item.prompt_text
         return stream
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) run on the engine thread, between steps; its exception is raised here."""
+        future = self._loop.create_future()
+        self._send(("call", (fn, future)))
+        return await future
 
     def _release(self, stream: RequestStream) -> None:
         self.num_outstanding -= 1
@@ -197,35 +220,66 @@ class AsyncEngine:
         except BaseException as exc:  # pragma: no cover - a bug; /health reports it
             log.exception("engine thread died")
             self.error = exc
+            died = EngineError(f"engine thread died: {exc}")
             for live in list(self._live.values()):
-                self._deliver(live.stream, EngineError(f"engine thread died: {exc}"))
+                self._deliver(live.stream, died)
             self._live.clear()
+            self._fail_commands(died)
+
+    def _fail_commands(self, error: EngineError) -> None:
+        """Answer the adds and calls that will never be drained, so nobody waits on them."""
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._deliver(payload.stream, error)
+            elif kind == "call":
+                self._settle(payload[1], error, True)
 
     def _drain(self) -> None:
         while self._commands:
             kind, payload = self._commands.popleft()
             if kind == "add":
                 self._add(payload)
+            elif kind == "call":
+                self._call(*payload)
             else:
                 live = self._live.pop(payload, None)
                 if live is not None:
                     self.engine.abort(payload)
                     self.metrics.aborted.inc()
 
+    def _call(self, fn, future: asyncio.Future) -> None:
+        try:
+            outcome, failed = fn(self.engine), False
+        except Exception as exc:
+            outcome, failed = exc, True
+        self._settle(future, outcome, failed)
+
+    def _settle(self, future: asyncio.Future, outcome, failed: bool) -> None:
+        def settle() -> None:
+            if not future.done():  # the caller may have gone away
+                (future.set_exception if failed else future.set_result)(outcome)
+
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
     def _add(self, sub: _Submission) -> None:
         engine = self.engine
         stream = sub.stream
         try:
             if sub.messages is not None:
-                if engine.tokenizer is None:
-                    raise ValueError("this model has no tokenizer, so it has no chat template")
-                text = engine.tokenizer.apply_chat_template(sub.messages, add_generation_prompt=True)
+                text = chat_prompt(engine, sub.messages)
                 ids = engine.tokenizer.encode(text, add_special_tokens=False)
                 if not ids:
                     raise ValueError("messages are empty after applying the chat template")
             else:
                 text = sub.prompt if isinstance(sub.prompt, str) else None
                 ids = engine.encode(sub.prompt)
+            echoed = None
+            if sub.echo:
+                echoed = text if text is not None else prompt_text(engine, ids)
             if sub.auto_max_tokens:
                 sub.params.max_tokens = max(1, engine.max_model_len - len(ids))
             request = engine.make_request(ids, sub.params, request_id=stream.request_id, prompt_text=text,
@@ -240,7 +294,7 @@ class AsyncEngine:
             return
         self._live[stream.request_id] = _Live(request, stream)
         self.metrics.prompt_tokens.inc(len(ids))
-        self._deliver(stream, len(ids))
+        self._deliver(stream, Accepted(ids, echoed))
 
     def _step(self) -> None:
         try:
@@ -274,16 +328,31 @@ class AsyncEngine:
             k = live.request.params.logprobs or 0
             logprobs = [self._token_logprob(tok, lp, k)
                         for tok, lp in zip(new_ids, completion.logprobs[live.sent_tokens:])]
+        prompt_logprobs = None
+        if live.sent_tokens == 0 and out.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                    live.request.params.prompt_logprobs or 0)
         live.sent_tokens = len(completion.token_ids)
         self.metrics.generation_tokens.inc(len(new_ids))
         return Delta(out.new_text, new_ids, logprobs, out.finished, completion.finish_reason,
-                     len(out.prompt_token_ids), len(completion.token_ids))
+                     len(out.prompt_token_ids), len(completion.token_ids), prompt_logprobs)
+
+    def _token_str(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token]) if self.engine.tokenizer else str(token)
 
     def _token_logprob(self, token: int, logprobs: dict[int, float], k: int) -> TokenLogprob:
-        decode = self.engine.tokenizer.decode if self.engine.tokenizer else str
         top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]
-        return TokenLogprob(decode([token]) if self.engine.tokenizer else str(token), float(logprobs[token]),
-                            [(decode([t]) if self.engine.tokenizer else str(t), float(v)) for t, v in top])
+        return TokenLogprob(self._token_str(token), float(logprobs[token]),
+                            [(self._token_str(t), float(v)) for t, v in top])
+
+    def _prompt_logprobs(self, ids: list[int], logprobs: list[dict[int, float] | None], k: int) -> list[TokenLogprob]:
+        """One entry per prompt token; the first (and any the executor did not give) has no logprob."""
+        out = []
+        for pos, token in enumerate(ids):
+            known = logprobs[pos] if pos < len(logprobs) else None
+            out.append(TokenLogprob(self._token_str(token), None, None) if known is None
+                       else self._token_logprob(token, known, k))
+        return out
 
     def _observe_finished(self, request: Request, out: RequestOutput) -> None:
         m = self.metrics
@@ -324,3 +393,20 @@ class AsyncEngine:
         m.running.set(len(scheduler.running))
         m.waiting.set(len(scheduler.waiting))
         m.kv_usage.set(self.engine.blocks.usage)
+
+
+# ---- prompts (engine thread) ------------------------------------------------------------------
+
+
+def chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The chat template applied to `messages` (ValueError if the model has no template)."""
+    if engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it has no chat template")
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_text(engine: LLMEngine, ids: list[int]) -> str:
+    """Token ids as text, special tokens included (what echo shows of a token-id prompt)."""
+    if engine.tokenizer is None:
+        return ""
+    return engine.tokenizer.decode(ids, skip_special_tokens=False)

@@ -11,8 +11,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="run an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
         description="Serve the model over HTTP with OpenAI's API: POST /v1/completions, "
-                    "POST /v1/chat/completions (both with SSE streaming), GET /v1/models, /health and "
-                    "/metrics (Prometheus). The engine steps in its own thread.")
+                    "POST /v1/chat/completions (both with SSE streaming), vLLM's POST /tokenize and "
+                    "/detokenize, GET /v1/models, /health and /metrics (Prometheus). The engine steps in "
+                    "its own thread.")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")

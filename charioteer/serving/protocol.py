@@ -1,23 +1,20 @@
-"""The OpenAI-compatible API's bodies: requests and their validation, responses, and errors.
+"""The OpenAI-compatible API's request bodies and their validation, and its errors.
 
 Bodies are parsed strictly: wrong types are rejected rather than coerced ("10" is not an
 integer), unknown fields are rejected (a misspelt `max_token` would otherwise be silently
 ignored), and OpenAI fields this server does not implement are accepted only at their
-neutral value (n=1, echo=false, frequency_penalty=0, ...).
+neutral value (n=1, suffix=null, frequency_penalty=0, ...). The response bodies are in
+`replies.py`.
 """
 from __future__ import annotations
 
 import json
 import math
-import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from charioteer.request import SamplingParams
-
-if TYPE_CHECKING:
-    from charioteer.serving.async_engine import Delta
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -58,8 +55,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is given
+    continuous_usage_stats: bool = False  # usage so far in every chunk (vLLM)
 
 
 class _Common(_Strict):
@@ -80,6 +77,7 @@ class _Common(_Strict):
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    priority: int | None = None  # lower first; needs --scheduling-policy priority
 
 
 class CompletionRequest(_Common):
@@ -112,6 +110,30 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeCompletionRequest(_Strict):  # vLLM's POST /tokenize with a prompt
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):  # vLLM's POST /tokenize with messages
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class DetokenizeRequest(_Strict):  # vLLM's POST /detokenize
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- parsing ------------------------------------------------------------------------------
 
 
@@ -121,6 +143,11 @@ def _reject_constant(name: str) -> float:
 
 def parse_body(raw: bytes, model_cls: type[_Strict]) -> _Strict:
     """Decode, parse and validate a JSON body; raises APIError (400) with the offending param."""
+    return validate_body(parse_json(raw), model_cls)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The JSON object of a body; raises APIError (400) if it is not one."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -138,6 +165,10 @@ def parse_body(raw: bytes, model_cls: type[_Strict]) -> _Strict:
                           code="invalid_utf8") from None
     if not isinstance(obj, dict):
         raise bad_request(f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    return obj
+
+
+def validate_body(obj: dict, model_cls: type[_Strict]) -> _Strict:
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
@@ -173,6 +204,10 @@ def _check_common(req: _Common) -> None:
     _unsupported(bool(req.logit_bias), "logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats \
+            and not req.stream_options.include_usage:
+        raise bad_request("stream_options.continuous_usage_stats needs include_usage=true",
+                          param="stream_options.continuous_usage_stats")
 
 
 def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -213,6 +248,7 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             seed=req.seed,
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            priority=req.priority or 0,
         )
     except ValueError as exc:
         message = str(exc)
@@ -220,23 +256,29 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
         raise bad_request(message, param=param) from None
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion: a string, a token-id list, or a list of either."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
-                              param="prompt", code="unsupported")
-        prompt = prompt[0]
-    if not prompt:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
         raise bad_request("prompt is empty: give a non-empty string or a list of token ids", param="prompt")
-    return prompt
+    for i, one in enumerate(prompts):
+        if not one:
+            where = "prompt" if len(prompts) == 1 else f"prompt {i}"
+            raise bad_request(f"{where} is empty: give a non-empty string or a list of token ids", param="prompt")
+    return prompts
 
 
 def check_completion(req: CompletionRequest) -> None:
     _check_common(req)
-    _unsupported(bool(req.echo), "echo", "echo")
     _unsupported(req.suffix is not None, "suffix", "suffix")
     _unsupported(req.best_of not in (None, 1), "best_of", "best_of other than 1")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be an integer >= 1 (0 only with echo=true, which returns the prompt)",
+                          param="max_tokens")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
@@ -267,118 +309,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-# ---- responses ----------------------------------------------------------------------------
-
-
-def usage(last: Delta) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens}
-
-
-def completion_logprobs(deltas: list[Delta], offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for d in deltas:
-        for lp in d.logprobs or []:
-            tokens.append(lp.token)
-            token_lps.append(lp.logprob)
-            tops.append({t: v for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(lp.token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(deltas: list[Delta]) -> dict:
-    content = []
-    for d in deltas:
-        for lp in d.logprobs or []:
-            content.append({"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                             for t, v in lp.top]})
-    return {"content": content}
-
-
-class Reply:
-    """The response bodies of one request: the whole answer, or the chunks of its stream."""
-
-    object: str  # of the whole answer
-    chunk_object: str
-    usage_first = False  # whether `usage` precedes `choices` in a chunk (chat's order, kept as it was)
-
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
-        self.id = request_id
-        self.created = int(time.time())
-        self.model = model
-        self.include_usage = include_usage  # stream_options.include_usage
-
-    def choice(self, deltas: list[Delta]) -> dict:
-        raise NotImplementedError
-
-    def delta_choice(self, delta: Delta) -> dict:
-        raise NotImplementedError
-
-    def answer(self, deltas: list[Delta]) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self.choice(deltas)], "usage": usage(deltas[-1])}
-
-    def head_chunks(self) -> list[dict]:
-        return []
-
-    def delta_chunk(self, delta: Delta) -> dict:
-        return self._chunk([self.delta_choice(delta)])
-
-    def final_chunks(self, last: Delta) -> list[dict]:
-        return [self._chunk([], usage(last))] if self.include_usage else []
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
-        if not self.include_usage:
-            body["choices"] = choices
-        elif self.usage_first:
-            body.update(usage=usage, choices=choices)
-        else:
-            body.update(choices=choices, usage=usage)
-        return body
-
-
-class CompletionReply(Reply):
-    object = chunk_object = "text_completion"
-
-    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: int | None) -> None:
-        super().__init__(request_id, model, include_usage)
-        self.logprobs = logprobs
-        self.offset = 0  # of the next streamed chunk's text: its logprobs' text_offset starts there
-
-    def choice(self, deltas: list[Delta], offset: int = 0) -> dict:
-        last = deltas[-1]
-        return {"index": 0, "text": "".join(d.text for d in deltas),
-                "logprobs": None if self.logprobs is None else completion_logprobs(deltas, offset),
-                "finish_reason": last.finish_reason if last.finished else None}
-
-    def delta_choice(self, delta: Delta) -> dict:
-        choice = self.choice([delta], self.offset)
-        self.offset += len(delta.text)
-        return choice
-
-
-class ChatReply(Reply):
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    usage_first = True
-
-    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: bool) -> None:
-        super().__init__(request_id, model, include_usage)
-        self.logprobs = logprobs
-
-    def choice(self, deltas: list[Delta]) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": chat_logprobs(deltas) if self.logprobs else None,
-                "finish_reason": deltas[-1].finish_reason}
-
-    def head_chunks(self) -> list[dict]:
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
-
-    def delta_choice(self, delta: Delta) -> dict:
-        return {"index": 0, "delta": {"content": delta.text} if delta.text or not delta.finished else {},
-                "logprobs": chat_logprobs([delta]) if self.logprobs else None,
-                "finish_reason": delta.finish_reason if delta.finished else None}
+def check_tokenize_chat(req: TokenizeChatRequest) -> None:
+    if req.add_generation_prompt and req.continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                          param="continue_final_message")
+    _unsupported(req.continue_final_message, "continue_final_message", "continue_final_message=true")
+    _unsupported(req.chat_template is not None, "chat_template", "a chat template other than the model's")
+    _unsupported(bool(req.chat_template_kwargs), "chat_template_kwargs", "chat_template_kwargs")
+    _unsupported(bool(req.tools), "tools", "tools")

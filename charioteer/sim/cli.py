@@ -10,6 +10,7 @@ import time
 from charioteer.config import SchedulerConfig, add_setting_args, setting_default
 from charioteer.sim.specs import (DISPATCH_POLICIES, HARDWARE_PRESETS, MODEL_PRESETS, PP_SCHEDULING, ClusterConfig,
                                   hardware_spec, model_shape)
+from charioteer.sim.traces import trace_has_arrivals
 from charioteer.sim.workload import ARRIVAL_KINDS, LENGTH_KINDS, WorkloadSpec
 
 PRESETS = ("paper-fig12",)
@@ -28,8 +29,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--sensitivity", action="store_true",
-                   help="with --preset paper-fig12: rerun it with each cost-model factor moved in turn and print "
-                        "how the completion times and ratios move (about 4 minutes)")
+                   help="with --preset paper-fig12: rerun it with each cost-model, scheduling and workload factor "
+                        "moved in turn and print how the completion times and ratios move (10-20 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
                         "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")
@@ -58,21 +59,31 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                              f"{VALIDATE_DEFAULTS['max_num_seqs']} with --validate)"),
     })
     g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
-    g = p.add_argument_group("workload")
+    _add_workload_args(p.add_argument_group("workload"))
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def _add_workload_args(g) -> None:
     g.add_argument("--num-requests", type=int, default=None, help="default 1000 (10000 for paper-fig12)")
-    g.add_argument("--lengths", choices=LENGTH_KINDS, default="zipf")
+    g.add_argument("--lengths", choices=LENGTH_KINDS, default=None, help="default: trace with --trace, else zipf")
     g.add_argument("--min-len", type=int, default=1024)
     g.add_argument("--max-len", type=int, default=4096)
     g.add_argument("--theta", type=float, default=0.4)
     g.add_argument("--pd-ratio", type=float, default=10.0)
     g.add_argument("--prompt-len", type=int, default=None, help="fixed lengths: prompt tokens")
     g.add_argument("--decode-len", type=int, default=None, help="fixed lengths: decode tokens")
-    g.add_argument("--arrivals", choices=ARRIVAL_KINDS, default="zero")
+    g.add_argument("--arrivals", choices=ARRIVAL_KINDS, default=None,
+                   help="default: the trace's arrival times if --trace has them, else all at 0 (zero)")
     g.add_argument("--rate", type=float, default=1.0, help="poisson arrivals, requests/s")
-    g.add_argument("--trace", default=None, help="CSV/JSONL with prompt_len, decode_len[, arrival_s]")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="requests from a trace: CSV or JSONL with arrival time, prompt and output tokens (Azure LLM "
+                        "inference: TIMESTAMP, ContextTokens, GeneratedTokens; Vidur: arrived_at, num_prefill_tokens, "
+                        "num_decode_tokens; or arrival_s, prompt_len, decode_len), or ShareGPT JSON conversations")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="counts a ShareGPT trace's tokens: a .gguf file or Hugging Face directory (default: the "
+                        "default model's tokenizer, read locally)")
     g.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_simulate)
-    return p
 
 
 def _cluster(args) -> ClusterConfig:
@@ -107,13 +118,14 @@ def build_runs(args):
     if args.preset == "paper-fig12":
         specs, wspec = paper_fig12_specs(num_requests=args.num_requests or 10_000, seed=args.seed)
         return specs, wspec
-    lengths = args.lengths
-    if args.trace and lengths != "trace" and args.arrivals == "trace":
-        lengths = "trace"
+    lengths = args.lengths or ("trace" if args.trace else "zipf")
+    arrivals = args.arrivals
+    if arrivals is None:
+        arrivals = "trace" if args.trace and trace_has_arrivals(args.trace) else "zero"
     wspec = WorkloadSpec(num_requests=args.num_requests or 1000, lengths=lengths, min_len=args.min_len,
                          max_len=args.max_len, theta=args.theta, pd_ratio=args.pd_ratio, prompt_len=args.prompt_len,
-                         decode_len=args.decode_len, arrivals=args.arrivals, rate=args.rate, trace=args.trace,
-                         seed=args.seed)
+                         decode_len=args.decode_len, arrivals=arrivals, rate=args.rate, trace=args.trace,
+                         tokenizer=args.tokenizer, seed=args.seed)
     model, hw, cluster = model_shape(args.model), hardware_spec(args.hardware), _cluster(args)
     sched = scheduler_values(args)
     specs = []
@@ -128,7 +140,7 @@ def build_runs(args):
 def _sensitivity(args, t0: float) -> int:
     from tqdm import tqdm
 
-    from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_sensitivity
+    from charioteer.sim.runner import FIG12_SENSITIVITY, fig12_paper_row, fig12_sensitivity
 
     if args.preset != "paper-fig12":
         raise ValueError("--sensitivity needs --preset paper-fig12")
@@ -138,14 +150,17 @@ def _sensitivity(args, t0: float) -> int:
         json.dump({"preset": args.preset, "sensitivity": rows, "wall_s": time.perf_counter() - t0}, sys.stdout, indent=2)
         print()
         return 0
-    print("| variant | orca-tp-pp (s) | tp-only (s) | sarathi-tp-pp (s) | bubble Orca/SARATHI | SARATHI/Orca "
-          "| TP-only/Orca | SARATHI/TP-only |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | orca-tp-pp (s) | tp-only (s) | sarathi-tp-pp (s) | Orca TP+PP busy | bubble Orca/SARATHI "
+          "| SARATHI/Orca | TP-only/Orca | SARATHI/TP-only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         t, q = r["completion_time_s"], r["ratios"]
         print(f"| {r['variant']} | {t['orca-tp-pp']:.0f} | {t['tp-only']:.0f} | {t['sarathi-tp-pp']:.0f} "
-              f"| {q['median_bubble_ratio_orca_over_sarathi']:.1f}x | {q['speedup_sarathi_over_orca_tp_pp']:.2f}x "
-              f"| {q['speedup_tp_only_over_orca_tp_pp']:.2f}x | {q['speedup_sarathi_over_tp_only']:.2f}x |")
+              f"| {r['orca_tp_pp_stage_busy_pct']:.0f} % | {q['median_bubble_ratio_orca_over_sarathi']:.1f}x "
+              f"| {q['speedup_sarathi_over_orca_tp_pp']:.2f}x | {q['speedup_tp_only_over_orca_tp_pp']:.2f}x "
+              f"| {q['speedup_sarathi_over_tp_only']:.2f}x |")
+    paper = fig12_paper_row()
+    print(paper)
     return 0
 
 

@@ -11,7 +11,7 @@ rows, or any such triples) per layer on one device of a TP group:
   so no wave waste is charged there.
 - Prefill attention for a chunk of c tokens after k cached ones: causal FLOPs
   4 * c * (k + (c + 1) / 2) * head_dim * heads, bytes = the K/V of k + c tokens plus Q and O;
-  roofline with attention_efficiency.
+  roofline with attention_efficiency and attention_memory_efficiency.
 - Decode attention: one kernel over all decodes, FLOPs and K/V bytes summed over each request's
   own context length.
 - Element-wise work (norms, residuals, activation) as bytes over bandwidth.
@@ -81,6 +81,8 @@ class RooflineCostModel(CostModel):
         self._flop_rate = hardware.peak_flops * hardware.matmul_efficiency
         self._att_rate = hardware.peak_flops * hardware.attention_efficiency
         self._bw = hardware.memory_bandwidth * hardware.memory_efficiency
+        att_eff = hardware.attention_memory_efficiency
+        self._att_bw = hardware.memory_bandwidth * (hardware.memory_efficiency if att_eff is None else att_eff)
         self._ovh = hardware.kernel_overhead_s
         self._linear_cache: dict[int, float] = {}
         self._lm_cache: dict[int, float] = {}
@@ -120,7 +122,7 @@ class RooflineCostModel(CostModel):
     def prefill_attention_time(self, chunk: int, cached: int) -> float:
         flops = 4.0 * chunk * (cached + (chunk + 1) / 2) * self.hd * self.heads
         nbytes = ((cached + chunk) * 2 * self.kv_heads + 2 * chunk * self.heads) * self.hd * self.dtype
-        return max(flops / self._att_rate, nbytes / self._bw) + self._ovh
+        return max(flops / self._att_rate, nbytes / self._att_bw) + self._ovh
 
     def decode_attention_time(self, context_lens: Iterable[int]) -> float:
         total = sum(context_lens)
@@ -128,7 +130,7 @@ class RooflineCostModel(CostModel):
             return 0.0
         flops = 4.0 * total * self.hd * self.heads
         nbytes = total * 2 * self.kv_heads * self.hd * self.dtype
-        return max(flops / self._att_rate, nbytes / self._bw) + self._ovh
+        return max(flops / self._att_rate, nbytes / self._att_bw) + self._ovh
 
     def allreduce_time(self, num_tokens: int) -> float:
         tp = self.cluster.tp

@@ -159,6 +159,9 @@ class HardwareSpec:
     - `attention_efficiency`: FlashAttention-2 forward reaches ~50-70 % of peak on A100 (Dao 2023);
       we use the low end since chunks are short.
     - `memory_efficiency`: streaming kernels reach ~80-90 % of HBM datasheet bandwidth.
+    - `attention_memory_efficiency`: the share of HBM bandwidth attention reaches reading the KV
+      cache (None: `memory_efficiency`). Decode attention over many short per-request caches
+      (paged or per-request kernels) can stay well below streaming bandwidth.
     - `kernel_overhead_s`: fixed cost per kernel (launch and tail), ~3-5 us on CUDA.
     - `memory_fraction`: share of device memory the engine may use (vLLM's default 0.9); the rest
       is the CUDA context, activations, NCCL buffers and fragmentation.
@@ -176,6 +179,7 @@ class HardwareSpec:
     matmul_efficiency: float = 0.75
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.85
+    attention_memory_efficiency: float | None = None
     kernel_overhead_s: float = 4e-6
     memory_fraction: float = 0.9
 
@@ -185,6 +189,8 @@ class HardwareSpec:
         _fraction(f"hardware {self.name}", matmul_efficiency=self.matmul_efficiency,
                   attention_efficiency=self.attention_efficiency, memory_efficiency=self.memory_efficiency,
                   memory_fraction=self.memory_fraction)
+        if self.attention_memory_efficiency is not None:
+            _fraction(f"hardware {self.name}", attention_memory_efficiency=self.attention_memory_efficiency)
         if self.kernel_overhead_s < 0:
             raise ValueError(f"hardware {self.name}: kernel_overhead_s must be >= 0")
 

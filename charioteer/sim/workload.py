@@ -10,11 +10,12 @@ Arrivals: all at t = 0, Poisson at `rate` requests/s, or from the trace.
 """
 from __future__ import annotations
 
-import csv
-import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from charioteer.sim.traces import ARRIVAL_COLUMNS, read_trace
 
 LENGTH_KINDS = ("zipf", "uniform", "fixed", "trace")
 ARRIVAL_KINDS = ("zero", "poisson", "trace")
@@ -33,6 +34,7 @@ class WorkloadSpec:
     arrivals: str = "zero"
     rate: float = 1.0  # requests/s for poisson
     trace: str | None = None
+    tokenizer: str | None = None  # counts a ShareGPT trace's text: a .gguf or HF directory (None: the default model's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,26 +89,23 @@ def zipf_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, theta: floa
     return lo + rng.choice(len(ranks), size=n, p=p).astype(np.int64)
 
 
-def read_trace(path: str) -> list[dict]:
-    with open(path) as f:
-        if path.endswith((".jsonl", ".json")):
-            rows = [json.loads(line) for line in f if line.strip()]
-        else:
-            rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError(f"trace {path} is empty")
-    for key in ("prompt_len", "decode_len"):
-        if key not in rows[0]:
-            raise ValueError(f"trace {path} needs columns prompt_len and decode_len (and optionally arrival_s)")
-    return rows
+def _tokenizer(spec: WorkloadSpec):
+    if spec.tokenizer is None:
+        return None  # the trace reader's default: the default model's tokenizer
+    from charioteer.model.tokenizer import TextTokenizer
+
+    if os.path.isdir(spec.tokenizer):
+        return TextTokenizer.from_hf_dir(spec.tokenizer)
+    if os.path.isfile(spec.tokenizer):
+        return TextTokenizer.from_gguf(spec.tokenizer)
+    raise ValueError(f"tokenizer {spec.tokenizer!r} not found: give a .gguf file or a Hugging Face model directory")
 
 
 def make_workload(spec: WorkloadSpec) -> Workload:
     rng = np.random.default_rng(spec.seed)
-    rows = read_trace(spec.trace) if spec.trace else None
+    trace = read_trace(spec.trace, _tokenizer(spec)) if "trace" in (spec.lengths, spec.arrivals) else None
     if spec.lengths == "trace":
-        prompt = np.array([int(r["prompt_len"]) for r in rows], dtype=np.int64)
-        decode = np.array([int(r["decode_len"]) for r in rows], dtype=np.int64)
+        prompt, decode = trace.prompt_len, trace.decode_len
         n = len(prompt)
     else:
         n = spec.num_requests
@@ -128,8 +127,11 @@ def make_workload(spec: WorkloadSpec) -> Workload:
     elif spec.arrivals == "poisson":
         arrival = np.cumsum(rng.exponential(1.0 / spec.rate, size=n))
     else:
-        if rows is None or "arrival_s" not in rows[0] or len(rows) != n:
-            raise ValueError("trace arrivals need an arrival_s column in a trace that also gives the lengths")
-        arrival = np.array([float(r["arrival_s"]) for r in rows])
+        if trace.arrival_s is None:
+            raise ValueError(f"trace {spec.trace} has no arrival times (a column named one of "
+                             f"{', '.join(ARRIVAL_COLUMNS)}): use --arrivals zero or --arrivals poisson --rate R")
+        if len(trace) != n:
+            raise ValueError("trace arrivals need the lengths from the same trace (lengths 'trace')")
+        arrival = trace.arrival_s
     order = np.argsort(arrival, kind="stable")
     return Workload(arrival[order], prompt[order], decode[order])

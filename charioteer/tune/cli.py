@@ -1,7 +1,6 @@
 """`charioteer tune`: measure this device and recommend SARATHI's chunk size for a workload."""
 from __future__ import annotations
 
-import csv
 import json
 
 from charioteer.bench.common import add_setup_args, prepare_device, progress_bar
@@ -24,16 +23,11 @@ def measure_table(setup, max_rows: int, seq_len: int, batch_size: int, repeats: 
 
 
 def read_trace(path: str) -> tuple[float, float]:
-    """Mean prompt and output length of a CSV trace with prompt_len and decode_len columns."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or not {"prompt_len", "decode_len"} <= set(rows[0]):
-        raise ValueError(f"trace {path} needs a header with prompt_len and decode_len columns and at least one row")
-    p = sum(float(r["prompt_len"]) for r in rows) / len(rows)
-    d = sum(float(r["decode_len"]) for r in rows) / len(rows)
-    if p <= 0 or d <= 0:
-        raise ValueError(f"trace {path}: mean prompt_len and decode_len must be > 0")
-    return p, d
+    """Mean prompt and output length of a trace file (any format `charioteer.sim.traces` reads)."""
+    from charioteer.sim.traces import read_trace as read_trace_file
+
+    trace = read_trace_file(path)
+    return float(trace.prompt_len.mean()), float(trace.decode_len.mean())
 
 
 def check_args(args) -> None:
@@ -130,7 +124,8 @@ def add_tune_parser(sub) -> None:
     add_setup_args(p)
     w = p.add_argument_group("workload")
     w.add_argument("--pd-ratio", type=float, default=None, help="prompt tokens per output token")
-    w.add_argument("--trace", default=None, help="CSV with prompt_len and decode_len columns (instead of --pd-ratio)")
+    w.add_argument("--trace", default=None, help="a trace file (as `simulate --trace` reads: Azure or Vidur CSV, JSONL, "
+                   "ShareGPT JSON) whose mean prompt and output lengths set the workload (instead of --pd-ratio)")
     w.add_argument("--max-seq-len", type=int, default=256, help="sequence length L with --pd-ratio (default: 256)")
     m = p.add_argument_group("capacity and search")
     add_setting_args(m, ["max_num_seqs", "kv_cache_memory_gb", "min_chunk_size", "max_chunk_size"], overrides={
