@@ -19,6 +19,10 @@ from charioteer.model.tokenizer import TextTokenizer
 from charioteer.request import StructuredOutputsParams
 
 _XGRAMMAR_VOCAB_TYPES = {"byte_level": "BYTE_LEVEL", "byte_fallback": "BYTE_FALLBACK", "raw": "RAW"}
+# JSON may hold at most this much whitespace between two of its tokens (vLLM sets no bound): enough
+# for pretty-printing 7 levels deep, and it makes the grammar itself end a small model's run of
+# newlines, which would otherwise go on until max_tokens.
+MAX_JSON_WHITESPACE = 32
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -79,12 +83,8 @@ class StructuredOutputCompiler:
         compiler = self._xgrammar_compiler()
         kind = spec.kind
         try:
-            if kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":  # an object, as OpenAI's json_object means (xgrammar's builtin is any value)
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                    any_whitespace=not spec.disable_any_whitespace)
+            if kind in ("json", "json_object"):
+                return _compile_json(compiler, spec)
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
@@ -93,6 +93,16 @@ class StructuredOutputCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _CPP_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
             raise ValueError(f"the {_KIND_NAMES[kind]} does not compile: {message}") from None
+
+
+def _compile_json(compiler, spec: StructuredOutputsParams):
+    whitespace = {"any_whitespace": not spec.disable_any_whitespace}
+    if not spec.disable_any_whitespace:
+        whitespace["max_whitespace_cnt"] = MAX_JSON_WHITESPACE
+    if spec.kind == "json_object":  # an object, as OpenAI's json_object means (xgrammar's builtin is any value)
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
+    schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    return compiler.compile_json_schema(schema, **whitespace)
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
