@@ -165,6 +165,13 @@ def test_json_object(server, client):
     assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
+def test_text_format_is_unconstrained(server, client):
+    kw = dict(model=server.model, messages=_ask("a poem"), temperature=0, max_tokens=8)
+    plain = client.chat.completions.create(**kw)
+    text = client.chat.completions.create(response_format={"type": "text"}, **kw)
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_regex(server, client):
     pattern = r"[A-Z][a-z]{1,10} is [1-9][0-9]? years old\."
     for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
@@ -299,9 +306,14 @@ def test_preempted_constrained_requests_keep_their_grammar(default_model):
 
 def test_grammar_end_finishes_even_with_ignore_eos(default_model):
     llm = LLM(default_model)
-    out = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                        structured_outputs=StructuredOutputsParams(choice=["yes"])))
-    assert out[0].text == "yes" and out[0].outputs[0].finish_reason == "stop"
+    forced = StructuredOutputsParams(choice=["yes"])
+    out = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0,
+                                                        prompt_logprobs=0, structured_outputs=forced))[0]
+    assert out.text == "yes" and out.outputs[0].finish_reason == "stop"
+    # Logprobs are the masked distribution's (as vLLM's): after "yes" only the stop token is allowed.
+    last = out.outputs[0].logprobs[-1]
+    assert out.outputs[0].token_ids[-1] == default_model.config.eos_token_id and last == {
+        default_model.config.eos_token_id: 0.0}
 
 
 def test_tokenizer_info_of_a_byte_level_bpe(default_model):

@@ -18,6 +18,7 @@ from charioteer.bench.paper_cli import add_paper_benches
 from charioteer.bench.peers import add_peers_bench
 from charioteer.bench.pipeline import add_pipeline_bench
 from charioteer.bench.serve import ENGINE_FLAGS
+from charioteer.bench.structured import add_structured_bench
 from charioteer.config import add_setting_args, check_settings
 
 # The engine settings a `bench serve|capacity` forwards to the `charioteer serve` it starts.
@@ -67,6 +68,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_paper_benches(sub)
     add_adaptive_bench(sub)
     add_peers_bench(sub)
+    add_structured_bench(sub)
     return p
 
 

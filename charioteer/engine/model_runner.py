@@ -51,21 +51,18 @@ class Sampler:
                grammars: list | None = None) -> list[int]:
         """logits: [N, vocab] float32. Returns one token per row.
 
-        `grammars`: per row, the request's grammar matcher or None. A constrained row samples from a
-        masked copy of its logits and advances its matcher with the token; the other rows are untouched.
+        `grammars`: per row, the request's grammar matcher or None. A constrained row's logits are
+        masked in place (so its logprobs are the masked distribution's, as in vLLM) and its matcher
+        advances with the token; the other rows are not touched.
         """
-        tokens = greedy(logits).tolist()
         constrained = [row for row, g in enumerate(grammars or ()) if g is not None]
-        masked: dict[int, torch.Tensor] = {}
         if constrained:
-            rows = structured_output.masked_rows(logits, constrained, [grammars[row] for row in constrained])
-            masked = dict(zip(constrained, rows))
-            for row, token in zip(constrained, greedy(rows).tolist()):
-                tokens[row] = token
+            structured_output.mask_rows(logits, constrained, [grammars[row] for row in constrained])
+        tokens = greedy(logits).tolist()
         for row, (request_id, p) in enumerate(zip(request_ids, params)):
             if p.greedy:
                 continue
-            scores = masked.get(row, logits[row]) / p.temperature
+            scores = logits[row] / p.temperature
             if p.top_k > 0 and p.top_k < scores.shape[-1]:
                 kth = scores.topk(p.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -232,6 +229,9 @@ class ModelRunner:
         else:
             sampled = logits[sample_rows]
         tokens = self.sampler.sample(sampled, sample_ids, sample_params, grammars) if sample_rows else []
+        if sampled is not logits and any(g is not None for g in grammars):
+            with torch.inference_mode():  # the model's logits are an inference tensor
+                logits[sample_rows] = sampled  # the grammar masks, for the logprobs below
         result.tokens = dict(zip(sample_ids, tokens))
         for entry, rows in zip(order, rows_per_entry):
             r = entry.request

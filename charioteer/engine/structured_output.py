@@ -133,16 +133,15 @@ def tokenizer_info(tokenizer: TextTokenizer, vocab_size: int, stop_token_ids: li
                              add_prefix_space=tokenizer.prepends_space())
 
 
-def masked_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
-    """A copy of `logits[rows]` with every token its matcher forbids next at -inf (logits: float32)."""
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Set, in place, every token that row's matcher forbids next to -inf, in each of `rows` of
+    `logits` (float32); the other rows are not touched."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for i, matcher in enumerate(matchers):
-        matcher.fill_next_token_bitmask(bitmask, i)
-    masked = logits[rows]
-    xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
-    return masked
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for row, matcher in zip(rows, matchers):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
 def advance(matcher, token: int, request_id: str) -> None:
