@@ -9,6 +9,7 @@ _EXPORTS = {
     "LLMEngine": "charioteer.engine.llm_engine",
     "EngineArgs": "charioteer.config",
     "SamplingParams": "charioteer.request",
+    "StructuredOutputsParams": "charioteer.request",
     "RequestOutput": "charioteer.request",
     "CompletionOutput": "charioteer.request",
 }

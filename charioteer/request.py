@@ -10,12 +10,64 @@ the outputs so far are prefilled again (in chunks, under SARATHI), then decoding
 from __future__ import annotations
 
 import enum
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing by them overflows the logits
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's shape): exactly one of a JSON schema, a regex, a list of
+    choices, an EBNF grammar or any JSON object. The engine compiles it with xgrammar."""
+    json: dict | str | None = None  # a JSON schema, as an object or its text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's GBNF dialect)
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False  # compact JSON: no whitespace between its tokens
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(self.KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True):
+            raise ValueError("structured_outputs.json_object must be true when given")
+
+    def key(self) -> str:
+        """The constraint as canonical text: equal constraints compile to the same grammar."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
 
 
 @dataclass
@@ -33,6 +85,7 @@ class SamplingParams:
     # Lower runs first under scheduling_policy="priority". vLLM takes it beside the parameters
     # (generate(..., priority=)); those keywords set it here, so it travels with the request.
     priority: int = 0
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (vLLM's name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,10 +113,21 @@ class SamplingParams:
             raise ValueError(f"priority must be an integer (lower runs first), got {self.priority!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+class GrammarState(Protocol):
+    """A request's place in its output grammar (the engine's xgrammar matcher)."""
+
+    def is_terminated(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):
@@ -87,6 +151,9 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
     in_flight: bool = False  # inside a batch that has not returned yet (pipeline micro-batches)
+    # Structured outputs: the sampler masks this request's logits with it and advances it with
+    # each sampled token (before append_output_token sees the token).
+    grammar: GrammarState | None = None
 
     # Filled by the executor when asked for.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -155,8 +222,8 @@ class Request:
                             holds_stop_string: Callable[["Request"], bool] | None = None) -> None:
         """Record a sampled token and decide whether the request is done: the one place that does.
 
-        A stop token or a length limit ends it; else `holds_stop_string` (the engine's detokenizer:
-        stop strings need text) may end it with "stop".
+        A stop token, a completed grammar or a length limit ends it; else `holds_stop_string` (the
+        engine's detokenizer: stop strings need text) may end it with "stop".
         """
         now = time.monotonic() if now is None else now
         self.output_token_ids.append(token_id)
@@ -167,6 +234,8 @@ class Request:
             token_id == self.eos_token_id or token_id in self.params.stop_token_ids
         ):
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finish_reason = "stop"  # the grammar ended (with ignore_eos, its stop token is kept)
         elif self.num_output_tokens >= self.params.max_tokens:
             self.finish_reason = "length"
         elif self.params.stop and holds_stop_string is not None and holds_stop_string(self):

@@ -19,6 +19,7 @@ from charioteer.bench.partial_prefills import add_partial_prefills_bench
 from charioteer.bench.peers import add_peers_bench
 from charioteer.bench.pipeline import add_pipeline_bench
 from charioteer.bench.serve import ENGINE_FLAGS
+from charioteer.bench.structured import add_structured_bench
 from charioteer.config import add_setting_args, check_settings
 
 # The engine settings a `bench serve|capacity` forwards to the `charioteer serve` it starts.
@@ -69,6 +70,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_adaptive_bench(sub)
     add_peers_bench(sub)
     add_partial_prefills_bench(sub)
+    add_structured_bench(sub)
     return p
 
 

@@ -11,6 +11,7 @@ import torch
 from charioteer.config import EngineArgs
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.engine.step_record import PipelineTiming, StageTiming, StepObserver, StepRecord, entry_records
+from charioteer.engine.structured_output import StructuredOutputCompiler
 from charioteer.memory.block_manager import BlockManager, batch_capacity, kv_bytes_per_token
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
@@ -55,6 +56,8 @@ class LLMEngine:
                                     quantization=args.quantization)
             self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
+        # Grammars for structured outputs, compiled once per distinct constraint (xgrammar).
+        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, config.vocab_size, [config.eos_token_id])
         self.op_hooks = op_hooks
         self._observers: list[StepObserver] = []
         self.pipeline_metrics = None  # per-stage busy/idle and per-request bubbles (charioteer.pipeline.metrics)
@@ -136,9 +139,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.matcher(params.structured_outputs)
         eos = self.model_config.eos_token_id
         request = Request(request_id, token_ids, params, eos_token_id=eos,
-                          prompt=prompt if isinstance(prompt, str) else prompt_text)
+                          prompt=prompt if isinstance(prompt, str) else prompt_text, grammar=grammar)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.check_request(request)

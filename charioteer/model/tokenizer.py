@@ -210,6 +210,41 @@ class TextTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    # ------------------------------------------- the vocabulary, for grammars
+
+    def vocabulary(self) -> list[str]:
+        """Every raw vocabulary entry by id ('Ġhello' for byte-level BPE, '<0x0A>' for byte fallback)."""
+        return [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
+
+    def special_token_ids(self) -> set[int]:
+        """Control tokens (<|im_start|>, ...): matched whole in input text, dropped by decode()."""
+        return {int(i) for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+
+    def byte_encoding(self) -> str:
+        """How vocabulary entries spell bytes: 'byte_level' (GPT-2's byte-to-unicode map),
+        'byte_fallback' ('<0x0A>' entries, SentencePiece style) or 'raw' (as the text itself)."""
+        kinds = _component_types(json.loads(self._tok.to_str()).get("decoder"))
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        if "ByteFallback" in kinds:
+            return "byte_fallback"
+        return "raw"
+
+    def prepends_space(self) -> bool:
+        """Whether encoding puts a space before the text (SentencePiece's '▁' prefix, or a
+        byte-level pre-tokenizer with add_prefix_space)."""
+        spec = json.loads(self._tok.to_str())
+        for part in _components(spec.get("pre_tokenizer")) + _components(spec.get("normalizer")):
+            kind = part.get("type")
+            if kind == "ByteLevel" and part.get("add_prefix_space"):
+                return True
+            if kind == "Metaspace" and part.get("prepend_scheme", "always") != "never" \
+                    and part.get("add_prefix_space", True):
+                return True
+            if kind == "Prepend" and part.get("prepend") == "\u2581":
+                return True
+        return False
+
     def __repr__(self) -> str:
         return (f"TextTokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
                 f"eos_token_id={self.eos_token_id}, add_bos_token={self.add_bos_token}, "
@@ -350,6 +385,21 @@ class TextTokenizer:
         stale = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(stale):
             os.remove(stale)
+
+
+def _components(spec: Any) -> list[dict]:
+    """A tokenizer.json pipeline part (decoder, pre-tokenizer, normalizer) flattened: the parts of a
+    Sequence, or the part itself."""
+    if not isinstance(spec, dict):
+        return []
+    inner = spec.get("decoders") or spec.get("pretokenizers") or spec.get("normalizers")
+    if spec.get("type") == "Sequence" and isinstance(inner, list):
+        return [p for sub in inner for p in _components(sub)]
+    return [spec]
+
+
+def _component_types(spec: Any) -> set[str]:
+    return {part.get("type") for part in _components(spec)}
 
 
 def _gguf_bpe_metadata(reader: Any) -> tuple[list[str], list[int], list[str], str]:

@@ -127,6 +127,7 @@ class Server:
         echo_only = bool(req.echo) and req.max_tokens == 0  # returns the prompt; 1 token is still run, as vLLM does
         max_tokens = 16 if req.max_tokens is None else (1 if echo_only else req.max_tokens)  # 16: OpenAI's default
         params = protocol.sampling_params(req, max_tokens, req.logprobs)
+        params.structured_outputs = await self.output_constraint(req)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = req.logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -144,6 +145,7 @@ class Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = protocol.sampling_params(req, max_tokens, logprobs)
+        params.structured_outputs = await self.output_constraint(req)
         stream = await self.submit(None, params, messages, max_tokens is None, arrival, "chatcmpl")
         reply = replies.ChatReply(stream.request_id, self.model_name, req.stream_options, bool(req.logprobs))
         return await _respond(request, bool(req.stream), StreamGroup([stream]), reply)
@@ -194,6 +196,20 @@ class Server:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def output_constraint(self, req):
+        """The request's StructuredOutputsParams, compiled off the engine thread; a 400 naming the
+        field if it does not compile."""
+        asked = protocol.structured_outputs(req)
+        if asked is None:
+            return None
+        spec, param = asked
+        self.check_alive()
+        try:
+            await self.async_engine.compile_grammar(spec)
+        except ValueError as exc:
+            raise protocol.bad_request(str(exc), param=param, code="invalid_constraint") from None
+        return spec
 
     async def submit_all(self, prompts, params, arrival, request_id: str, echo: bool) -> StreamGroup:
         """One request per prompt, queued together; if any is refused, the others are released and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from charioteer.engine.llm_engine import LLMEngine
-from charioteer.request import Request, RequestOutput, SamplingParams
+from charioteer.request import Request, RequestOutput, SamplingParams, StructuredOutputsParams
 from charioteer.serving.dashboard import DashboardHub
 from charioteer.serving.metrics import ServerMetrics
 
@@ -134,6 +135,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.num_steps = 0
         self.error: BaseException | None = None  # set if the engine thread itself died
+        # Grammars compile here, off the engine thread (which then finds them in the engine's cache).
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="charioteer-grammar")
         engine.subscribe(self._observe_step)
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
@@ -146,6 +149,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -183,6 +187,11 @@ class AsyncEngine:
         stream.prompt_tokens = len(item.prompt_token_ids)
         stream.prompt_text = item.prompt_text
         return stream
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile an output constraint on a worker thread into the engine's grammar cache; raises
+        ValueError naming the problem if it does not compile."""
+        await self._loop.run_in_executor(self._grammar_pool, self.engine.structured_outputs.compile, spec)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """fn(engine) run on the engine thread, between steps; its exception is raised here."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from charioteer.request import SamplingParams
+from charioteer.request import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -59,6 +59,32 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # usage so far in every chunk (vLLM)
 
 
+class JSONSchemaFormat(_Strict):  # OpenAI's response_format.json_schema
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` is a pydantic method
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):  # vLLM's structured_outputs (StructuredOutputsParams)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is a pydantic method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    # vLLM options that choose among its backends; only xgrammar runs here, so they change nothing.
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+
+
 class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = None
@@ -78,6 +104,15 @@ class _Common(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None  # lower first; needs --scheduling-policy priority
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -104,7 +139,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -254,6 +288,11 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
         message = str(exc)
         param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in SamplingParams.__dataclass_fields__ else None
         raise bad_request(message, param=param) from None
+    if param == "structured_outputs":
+        param = f"structured_outputs.{spec.kind}"
+    elif param == "response_format" and spec.kind == "json":
+        param = "response_format.json_schema.schema"
+    return spec, param
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -284,9 +323,6 @@ def check_completion(req: CompletionRequest) -> None:
 def check_chat(req: ChatCompletionRequest) -> None:
     _check_common(req)
     _unsupported(bool(req.tools) or req.tool_choice not in (None, "none"), "tools", "tool calling")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise bad_request("response_format: only {'type': 'text'} is supported", param="response_format",
-                          code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -317,3 +353,66 @@ def check_tokenize_chat(req: TokenizeChatRequest) -> None:
     _unsupported(req.chat_template is not None, "chat_template", "a chat template other than the model's")
     _unsupported(bool(req.chat_template_kwargs), "chat_template_kwargs", "chat_template_kwargs")
     _unsupported(bool(req.tools), "tools", "tools")
+
+
+# ---- structured outputs -------------------------------------------------------------------
+
+
+def structured_outputs(req: _Common) -> tuple[StructuredOutputsParams, str] | None:
+    """The output constraint a request asks for, and the field it came from; None if it asks none.
+
+    One of response_format (json_object, json_schema), structured_outputs, or a guided_* field.
+    Whether it compiles is checked later, off the event loop (AsyncEngine.compile_grammar).
+    """
+    asked = [(param, build) for param, build in _constraint_sources(req) if build is not None]
+    if len(asked) > 1:
+        names = ", ".join(param for param, _ in asked)
+        raise bad_request(f"give one output constraint, not several: {names}", param=asked[1][0],
+                          code="conflicting_constraints")
+    _unsupported(req.guided_whitespace_pattern is not None, "guided_whitespace_pattern", "a whitespace pattern")
+    _unsupported(req.guided_decoding_backend not in (None, "auto", "xgrammar"), "guided_decoding_backend",
+                 f"the backend {req.guided_decoding_backend!r} (only xgrammar runs here)")
+    if not asked:
+        return None
+    param, build = asked[0]
+    try:
+        spec = build()
+    except ValueError as exc:  # StructuredOutputsParams names its own fields: name the request's
+        message = str(exc)
+        if param.startswith("guided_"):
+            message = message.replace(f"structured_outputs.{param[len('guided_'):]}", param)
+        elif param == "response_format":
+            message = message.replace("structured_outputs.json", "response_format.json_schema.schema")
+        raise bad_request(message, param=param) from None
+    if param == "structured_outputs":
+        param = f"structured_outputs.{spec.kind}"
+    elif param == "response_format" and spec.kind == "json":
+        param = "response_format.json_schema.schema"
+    return spec, param
+
+
+def _constraint_sources(req: _Common):
+    """(field name, a builder of its StructuredOutputsParams, or None when the field asks nothing)."""
+    fmt = req.response_format
+    yield "response_format", None if fmt is None or fmt.type == "text" else lambda: _from_response_format(fmt)
+    so = req.structured_outputs
+    yield "structured_outputs", None if so is None else lambda: _from_structured_outputs(so)
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        yield f"guided_{name}", None if value is None else (lambda n=name, v=value: StructuredOutputsParams(**{n: v}))
+
+
+def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema",
+                          param="response_format.json_schema.schema", code="missing_field")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+
+def _from_structured_outputs(so: StructuredOutputs) -> StructuredOutputsParams:
+    _unsupported(so.structural_tag is not None, "structured_outputs.structural_tag", "structural_tag")
+    _unsupported(so.whitespace_pattern is not None, "structured_outputs.whitespace_pattern", "a whitespace pattern")
+    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                   json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
