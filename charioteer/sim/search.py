@@ -88,7 +88,8 @@ def resolve_batch_cap(cap: str | int, memory_cap: int) -> int:
         if text == "max":
             value = memory_cap
         elif text.startswith("max/"):
-            value = max(1, memory_cap // int(text[4:]))
+            divisor = int(text[4:])
+            value = max(1, memory_cap // divisor) if divisor >= 1 else 0
         else:
             value = int(text)
     except ValueError:
