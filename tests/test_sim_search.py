@@ -6,8 +6,9 @@ import pytest
 from charioteer.cli import main
 from charioteer.sim.search import (SLO, Candidate, SearchJob, SearchSpace, best_config, candidates, find_capacity,
                                    measure, pareto_front, resolve_batch_cap, unit_poisson_arrivals)
+from charioteer.sim.runner import run_one
 from charioteer.sim.specs import ClusterConfig, hardware_spec, model_shape
-from charioteer.sim.workload import WorkloadSpec, make_workload
+from charioteer.sim.workload import Workload, WorkloadSpec, make_workload
 
 TINY = "layers=4,hidden=256,ffn=512,heads=4"
 TINY_WORKLOAD = ["--model", TINY, "--num-requests", "100", "--min-len", "32", "--max-len", "256"]
@@ -31,7 +32,22 @@ def test_capacity_holds_the_slos_and_1_3x_does_not(policy, chunk, slo):
     assert found["failing_qps"] <= found["capacity_qps"] * (1 + 2 * job.rel_tol)
     at = measure(job, c, found["capacity_qps"])
     assert at["holds"] and at["ttft_p99_s"] == found["ttft_p99_s"] and at["tbt_p99_s"] == found["tbt_p99_s"]
-    assert not measure(job, c, 1.3 * found["capacity_qps"])["holds"]
+    over = 1.3 * found["capacity_qps"]
+    assert not measure(job, c, over)["holds"]
+    # The same verdict from a run that is not stopped once its TTFT SLO is lost.
+    full = run_one(job.spec(c, stop_early=False), Workload(job.unit_arrivals / over, job.prompt_len, job.decode_len))
+    assert not full.summary["stopped_early"]
+    assert not slo.holds(full.summary["ttft_s"]["p99"], full.summary["tbt_s"]["p99"])
+
+
+def test_a_run_stops_once_its_ttft_slo_is_lost():
+    job = tiny_job(SLO(ttft_p99_s=0.002, tbt_p99_s=1.0))
+    c = Candidate(1, 1, 1, "sarathi", 64, 16)
+    saturation = measure(job, c, None)  # every request at t = 0: run to the end
+    assert not saturation["stopped_early"] and not saturation["holds"]
+    stopped = measure(job, c, 200 / saturation["completion_time_s"] * 3)
+    assert stopped["stopped_early"] and not stopped["holds"]
+    assert stopped["completion_time_s"] < saturation["completion_time_s"]
 
 
 def test_slos_held_even_by_a_burst_give_the_saturation_throughput():

@@ -140,10 +140,15 @@ class SearchJob:
         if not 0 < self.rel_tol < 1:
             raise ValueError(f"search tolerance must be in (0, 1), got {self.rel_tol!r}")
 
-    def spec(self, c: Candidate) -> RunSpec:
+    def spec(self, c: Candidate, stop_early: bool = True) -> RunSpec:
         cluster = replace(self.cluster, tp=c.tp, pp=c.pp, replicas=c.replicas)
+        # p99 (numpy's linear interpolation) is above the SLO once the request at index floor(0.99 (n - 1)) of
+        # the sorted TTFTs is: once n - that index requests are late, the run can stop.
+        n = len(self.prompt_len)
+        late = n - math.floor(0.99 * (n - 1))
         return RunSpec(c.name, c.policy, self.model, self.hardware, cluster, chunk_size=c.chunk_size or 256,
-                       batch_cap=c.batch_cap, max_seq_len=self.max_seq_len, cost_table=self.cost_table)
+                       batch_cap=c.batch_cap, max_seq_len=self.max_seq_len, cost_table=self.cost_table,
+                       ttft_limit=(self.slo.ttft_p99_s, late) if stop_early else None)
 
 
 def unit_poisson_arrivals(n: int, seed: int) -> np.ndarray:
@@ -176,12 +181,14 @@ def candidates(job: SearchJob, space: SearchSpace) -> tuple[list[Candidate], lis
 
 
 def measure(job: SearchJob, c: Candidate, rate: float | None) -> dict:
-    """Simulate `c` with Poisson arrivals at `rate` requests/s (None: every request at t = 0)."""
+    """Simulate `c` with Poisson arrivals at `rate` requests/s (None: every request at t = 0, run to its end
+    for the saturation throughput; a run at a rate stops once its TTFT SLO is lost)."""
     arrivals = np.zeros_like(job.unit_arrivals) if rate is None else job.unit_arrivals / rate
-    summary = run_one(job.spec(c), Workload(arrivals, job.prompt_len, job.decode_len)).summary
+    summary = run_one(job.spec(c, stop_early=rate is not None), Workload(arrivals, job.prompt_len, job.decode_len)).summary
     ttft = summary["ttft_s"]["p99"]
     tbt = summary["tbt_s"]["p99"] or 0.0  # None when no request decodes twice
-    return {"rate": rate, "ttft_p99_s": ttft, "tbt_p99_s": tbt, "holds": job.slo.holds(ttft, tbt),
+    holds = not summary["stopped_early"] and job.slo.holds(ttft, tbt)
+    return {"rate": rate, "ttft_p99_s": ttft, "tbt_p99_s": tbt, "holds": holds, "stopped_early": summary["stopped_early"],
             "completion_time_s": summary["completion_time_s"]}
 
 
