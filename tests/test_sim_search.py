@@ -70,6 +70,9 @@ def test_candidates_cover_the_space_and_skip_what_does_not_fit():
     found, skipped = candidates(gpt3, SearchSpace(devices=8, tp=(1, 8), pp=(1,), policies=("orca",)))
     assert [(c.tp, c.batch_cap) for c in found] == [(8, 11), (8, 5)]  # the paper's B = 11 for TP8, and max/2
     assert len(skipped) == 1 and "tp1 pp1" in skipped[0] and "raise tp or pp" in skipped[0]
+    found, skipped = candidates(gpt3, SearchSpace(devices=8, tp=(8,), pp=(1,), policies=("orca",), min_batch_cap=6))
+    assert [c.batch_cap for c in found] == [11] and skipped == ["tp8 pp1: batch cap 5 is below the minimum 6 "
+                                                                "(memory allows 11)"]
 
 
 def test_best_and_pareto_front():

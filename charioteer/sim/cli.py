@@ -92,6 +92,9 @@ def add_search_args(g) -> None:
     g.add_argument("--search-batch-caps", type=_str_list, default=space.batch_caps, metavar="LIST",
                    help="batch caps to try: integers, max (the memory planner's cap) or max/N "
                         f"(default {_joined(space.batch_caps)})")
+    g.add_argument("--search-min-batch-cap", type=int, default=space.min_batch_cap, metavar="B",
+                   help=f"leave out batch caps below this: memory-starved layouts, slow to simulate "
+                        f"(default {space.min_batch_cap}; 1 tries all)")
     g.add_argument("--search-tolerance", type=float, default=0.05,
                    help="bisection stops when the rate is known to this fraction (default 0.05)")
     g.add_argument("--workers", type=int, default=None, help="processes (default: os.cpu_count())")

@@ -65,9 +65,13 @@ class SearchSpace:
     policies: tuple[str, ...] = ("sarathi", "orca", "vllm")
     chunk_sizes: tuple[int, ...] = (256, 512)
     batch_caps: tuple[str | int, ...] = ("max", "max/2")
+    # A layout that fits fewer requests per micro-batch than this is memory-starved: never competitive, and the
+    # slowest to simulate (batches scale as 1 / B). 1 tries everything.
+    min_batch_cap: int = 4
 
     def __post_init__(self) -> None:
         _positive_ints("devices", (self.devices,))
+        _positive_ints("min batch cap", (self.min_batch_cap,))
         _positive_ints("tp degrees", self.tp)
         _positive_ints("pp degrees", self.pp)
         _positive_ints("chunk sizes", self.chunk_sizes)
@@ -171,6 +175,11 @@ def candidates(job: SearchJob, space: SearchSpace) -> tuple[list[Candidate], lis
             skipped.append(f"tp{tp} pp{pp}: {exc}")
             continue
         caps = sorted({resolve_batch_cap(cap, memory_cap) for cap in space.batch_caps}, reverse=True)
+        small = [cap for cap in caps if cap < space.min_batch_cap]
+        if small:
+            skipped.append(f"tp{tp} pp{pp}: batch cap {', '.join(map(str, small))} is below the minimum "
+                           f"{space.min_batch_cap} (memory allows {memory_cap})")
+            caps = [cap for cap in caps if cap >= space.min_batch_cap]
         for policy in space.policies:
             for chunk in (sorted(set(space.chunk_sizes)) if policy == "sarathi" else [None]):
                 found += [Candidate(tp, pp, replicas, policy, chunk, cap) for cap in caps]

@@ -33,7 +33,7 @@ def build_job(args, cluster: ClusterConfig, wspec: WorkloadSpec) -> tuple[Search
     model = model_shape(args.model or preset["model"])
     hardware = hardware_spec(args.hardware or preset["hardware"])
     space = SearchSpace(args.devices or preset["devices"], args.search_tp, args.search_pp, args.search_policies,
-                        args.search_chunk_sizes, args.search_batch_caps)
+                        args.search_chunk_sizes, args.search_batch_caps, args.search_min_batch_cap)
     workload = make_workload(wspec)
     job = SearchJob(model, hardware, cluster, workload.prompt_len, workload.decode_len,
                     unit_poisson_arrivals(len(workload), args.seed), _max_seq_len(args, wspec, workload.max_seq_len),
