@@ -8,12 +8,13 @@ import sys
 import time
 
 from charioteer.config import SchedulerConfig, add_setting_args, setting_default
-from charioteer.sim.specs import (DISPATCH_POLICIES, HARDWARE_PRESETS, MODEL_PRESETS, PP_SCHEDULING, ClusterConfig,
-                                  hardware_spec, model_shape)
+from charioteer.sim.specs import (DISPATCH_POLICIES, HARDWARE_ALIASES, HARDWARE_PRESETS, MODEL_PRESETS, PP_SCHEDULING,
+                                  ClusterConfig, hardware_spec, model_shape)
 from charioteer.sim.traces import trace_has_arrivals
 from charioteer.sim.workload import ARRIVAL_KINDS, LENGTH_KINDS, WorkloadSpec
 
 PRESETS = ("paper-fig12",)
+DEFAULT_MODEL, DEFAULT_HARDWARE = "llama-13b", "a100-80gb"
 # --validate runs the real engine on this CPU, so it uses a smaller chunk and batch cap than a
 # simulated GPU cluster; an explicit --chunk-size / --max-num-seqs overrides these.
 VALIDATE_DEFAULTS = {"chunk_size": 64, "max_num_seqs": 8}
@@ -34,9 +35,15 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
                         "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")
+    p.add_argument("--search", action="store_true",
+                   help="deployment search: the highest Poisson rate within the SLOs for every TP, PP, policy, chunk "
+                        "size and batch cap on --devices devices; table (or --json) and --plot")
     g = p.add_argument_group("deployment")
-    g.add_argument("--model", default="llama-13b", help=f"{', '.join(MODEL_PRESETS)}, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'")
-    g.add_argument("--hardware", default="a100-80gb", choices=sorted(HARDWARE_PRESETS))
+    g.add_argument("--model", default=None,
+                   help=f"{', '.join(MODEL_PRESETS)}, a Hugging Face config.json (or its directory), or "
+                        f"'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]' (default: {DEFAULT_MODEL})")
+    g.add_argument("--hardware", default=None, type=str.lower, choices=sorted([*HARDWARE_PRESETS, *HARDWARE_ALIASES]),
+                   help=f"default: {DEFAULT_HARDWARE}")
     g.add_argument("--cost-table", default=None,
                    help="price batches from a table measured on the real engine (`charioteer tune --save-table`) "
                         "instead of the roofline; its model shape and device are what it measured (use --tp 1)")
@@ -60,12 +67,57 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     })
     g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
     _add_workload_args(p.add_argument_group("workload"))
+    add_search_args(p.add_argument_group("search (with --search)"))
     p.set_defaults(func=cmd_simulate)
     return p
 
 
+def add_search_args(g) -> None:
+    from charioteer.sim.search import DEFAULT_TBT_P99_S, DEFAULT_TTFT_P99_S, SearchSpace
+
+    space = SearchSpace()
+    g.add_argument("--devices", type=int, default=None, help="devices to deploy on (default 8; 64 for paper-fig12)")
+    g.add_argument("--slo-ttft", type=float, default=DEFAULT_TTFT_P99_S, metavar="S",
+                   help=f"p99 time to first token, seconds (default {DEFAULT_TTFT_P99_S:g})")
+    g.add_argument("--slo-tbt", type=float, default=DEFAULT_TBT_P99_S, metavar="S",
+                   help=f"p99 time between tokens, seconds (default {DEFAULT_TBT_P99_S:g})")
+    g.add_argument("--search-tp", type=_int_list, default=space.tp, metavar="LIST",
+                   help=f"tensor-parallel degrees to try (default {_joined(space.tp)})")
+    g.add_argument("--search-pp", type=_int_list, default=space.pp, metavar="LIST",
+                   help=f"pipeline-parallel degrees to try (default {_joined(space.pp)})")
+    g.add_argument("--search-policies", type=_str_list, default=space.policies, metavar="LIST",
+                   help=f"policies to try (default {_joined(space.policies)})")
+    g.add_argument("--search-chunk-sizes", type=_int_list, default=space.chunk_sizes, metavar="LIST",
+                   help=f"sarathi chunk sizes to try (default {_joined(space.chunk_sizes)})")
+    g.add_argument("--search-batch-caps", type=_str_list, default=space.batch_caps, metavar="LIST",
+                   help="batch caps to try: integers, max (the memory planner's cap) or max/N "
+                        f"(default {_joined(space.batch_caps)})")
+    g.add_argument("--search-min-batch-cap", type=int, default=space.min_batch_cap, metavar="B",
+                   help=f"leave out batch caps below this: memory-starved layouts, slow to simulate "
+                        f"(default {space.min_batch_cap}; 1 tries all)")
+    g.add_argument("--search-tolerance", type=float, default=0.05,
+                   help="bisection stops when the rate is known to this fraction (default 0.05)")
+    g.add_argument("--workers", type=int, default=None, help="processes (default: os.cpu_count())")
+    g.add_argument("--plot", default=None, metavar="FILE.png", help="write the Pareto plot here")
+
+
+def _joined(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _str_list(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _add_workload_args(g) -> None:
-    g.add_argument("--num-requests", type=int, default=None, help="default 1000 (10000 for paper-fig12)")
+    g.add_argument("--num-requests", type=int, default=None, help="default 1000 (10000 for paper-fig12, 2000 for --search with it)")
     g.add_argument("--lengths", choices=LENGTH_KINDS, default=None, help="default: trace with --trace, else zipf")
     g.add_argument("--min-len", type=int, default=1024)
     g.add_argument("--max-len", type=int, default=4096)
@@ -112,21 +164,27 @@ def scheduler_values(args) -> dict:
     return {"policies": policies, **values}
 
 
+def workload_spec(args, num_requests: int = 1000, arrivals: str | None = None) -> WorkloadSpec:
+    """The workload flags as a WorkloadSpec (`num_requests` unless --num-requests; `arrivals` unless --arrivals)."""
+    lengths = args.lengths or ("trace" if args.trace else "zipf")
+    arrivals = args.arrivals or arrivals
+    if arrivals is None:
+        arrivals = "trace" if args.trace and trace_has_arrivals(args.trace) else "zero"
+    return WorkloadSpec(num_requests=args.num_requests or num_requests, lengths=lengths, min_len=args.min_len,
+                        max_len=args.max_len, theta=args.theta, pd_ratio=args.pd_ratio, prompt_len=args.prompt_len,
+                        decode_len=args.decode_len, arrivals=arrivals, rate=args.rate, trace=args.trace,
+                        tokenizer=args.tokenizer, seed=args.seed)
+
+
 def build_runs(args):
     from charioteer.sim.runner import RunSpec, paper_fig12_specs
 
     if args.preset == "paper-fig12":
         specs, wspec = paper_fig12_specs(num_requests=args.num_requests or 10_000, seed=args.seed)
         return specs, wspec
-    lengths = args.lengths or ("trace" if args.trace else "zipf")
-    arrivals = args.arrivals
-    if arrivals is None:
-        arrivals = "trace" if args.trace and trace_has_arrivals(args.trace) else "zero"
-    wspec = WorkloadSpec(num_requests=args.num_requests or 1000, lengths=lengths, min_len=args.min_len,
-                         max_len=args.max_len, theta=args.theta, pd_ratio=args.pd_ratio, prompt_len=args.prompt_len,
-                         decode_len=args.decode_len, arrivals=arrivals, rate=args.rate, trace=args.trace,
-                         tokenizer=args.tokenizer, seed=args.seed)
-    model, hw, cluster = model_shape(args.model), hardware_spec(args.hardware), _cluster(args)
+    wspec = workload_spec(args)
+    model, hw = model_shape(args.model or DEFAULT_MODEL), hardware_spec(args.hardware or DEFAULT_HARDWARE)
+    cluster = _cluster(args)
     sched = scheduler_values(args)
     specs = []
     for policy in sched["policies"]:
@@ -187,6 +245,10 @@ def cmd_simulate(args) -> int:
     from charioteer.sim.runner import fig12_comparison, run_many
 
     t0 = time.perf_counter()
+    if args.search:
+        from charioteer.sim.search_cli import cmd_search
+
+        return cmd_search(args, _cluster(args), workload_spec(args, 2000 if args.preset else 1000, "zero"), t0)
     if args.validate:
         return _validate(args, t0)
     if args.sensitivity:

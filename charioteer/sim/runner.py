@@ -31,6 +31,7 @@ class RunSpec:
     tile_size: int | None = None
     max_num_batched_tokens: int | None = None
     cost_table: str | None = None  # a `charioteer tune --save-table` table: ProfiledCostModel
+    ttft_limit: tuple[float, int] | None = None  # (seconds, count): stop once that many requests wait longer
 
 
 @dataclass
@@ -108,6 +109,7 @@ def summarize(spec: RunSpec, result: SimResult, batch_cap: int, wall_s: float) -
         "mean_stage_busy_pct": float(busy.mean() * 100),
         "mfu": float(mfu),
         "preemptions": result.num_preemptions,
+        "stopped_early": result.stopped_early,
         "wall_s": wall_s,
     }
 
@@ -135,7 +137,8 @@ def run_one(spec: RunSpec, workload: Workload, workload_spec: WorkloadSpec | Non
             cost = ProfiledCostModel(spec.model, spec.hardware, spec.cluster, TimingTable(**json.load(f)))
     else:
         cost = RooflineCostModel(spec.model, spec.hardware, spec.cluster)
-    result = Simulator(setup, spec.cluster, cost, trace_batches=trace_batches).run(workload, progress=progress)
+    result = Simulator(setup, spec.cluster, cost, trace_batches=trace_batches,
+                       ttft_limit=spec.ttft_limit).run(workload, progress=progress)
     return RunOutput(spec, result, summarize(spec, result, cap, time.perf_counter() - t0))
 
 

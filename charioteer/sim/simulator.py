@@ -78,14 +78,19 @@ class SimResult:
     flops: float
     num_preemptions: int
     batches: list = field(default_factory=list)  # per batch (replica, [(request_id, start, num_tokens)]) when traced
+    stopped_early: bool = False  # the run hit its `ttft_limit` and stopped with requests unfinished
 
 
 class Simulator:
-    def __init__(self, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel, trace_batches: bool = False) -> None:
+    def __init__(self, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel, trace_batches: bool = False,
+                 ttft_limit: tuple[float, int] | None = None) -> None:
+        """`ttft_limit` (seconds, count): stop the run once `count` requests have waited longer than
+        `seconds` for their first token (a deployment search has then lost its TTFT SLO)."""
         if cost.num_stages != cluster.pp:
             raise ValueError(f"cost model has {cost.num_stages} stages but the cluster has pp={cluster.pp}")
         self.setup, self.cluster, self.cost = setup, cluster, cost
         self.trace_batches = trace_batches
+        self.ttft_limit = ttft_limit
 
     def run(self, workload: Workload, progress=None) -> SimResult:
         """Simulate `workload` to its end; `progress` (a tqdm bar or None) advances per finished request."""
@@ -223,7 +228,7 @@ class _Tally:
     """Per-request times and bubbles, per-batch sizes, token gaps. Plain lists: indexing them is
     several times cheaper than indexing numpy arrays."""
 
-    def __init__(self, requests: list[Request], trace_batches: bool) -> None:
+    def __init__(self, requests: list[Request], trace_batches: bool, late_after_s: float = float("inf")) -> None:
         n = len(requests)
         self.index = {r: i for i, r in enumerate(requests)}  # Request -> its row (requests hash by identity)
         self.first = [np.nan] * n
@@ -237,6 +242,9 @@ class _Tally:
         self.tokens: list[int] = []
         self.prefill_tokens: list[int] = []
         self.traced: list | None = [] if trace_batches else None
+        self.arrival = [r.arrival_time for r in requests]
+        self.late_after_s = late_after_s
+        self.late = 0  # requests whose first token came more than late_after_s after their arrival
 
     def issued(self, replica: int, batch: Batch, rows: list[PlanRow]) -> bool:
         """Record a planned batch; returns whether it holds prompt tokens."""
@@ -279,6 +287,8 @@ class _Tally:
                     tbt.append(now - prev)
                 else:
                     first[j] = now
+                    if now - self.arrival[j] > self.late_after_s:
+                        self.late += 1
                 last[j] = now
         return sampled
 
@@ -329,7 +339,9 @@ class _Run:
         self.next_replica = 0
         self.replicas = [_Replica(i, sim.setup, cluster) for i in range(cluster.replicas)]
         self.requests = _make_requests(workload)
-        self.tally = _Tally(self.requests, sim.trace_batches)
+        late_after_s, self.max_late = sim.ttft_limit or (float("inf"), 0)
+        self.tally = _Tally(self.requests, sim.trace_batches, late_after_s)
+        self.stopped_early = False
         # (time, sequence number, kind, data): the sequence number keeps ties in push order.
         self.events = [(float(t), i, _ARRIVAL, i) for i, t in enumerate(workload.arrival_s)]
         heapq.heapify(self.events)
@@ -346,9 +358,11 @@ class _Run:
             else:
                 self.on_return(now, *data)
         n = len(self.requests)
-        if self.done != n:
+        if self.done != n and not self.stopped_early:
             raise RuntimeError(f"simulation ended with {n - self.done} of {n} requests unfinished")
-        return self.tally.result(self.workload, self.makespan, self.replicas)
+        result = self.tally.result(self.workload, self.makespan, self.replicas)
+        result.stopped_early = self.stopped_early
+        return result
 
     def dispatch(self, i: int, now: float) -> None:
         """Send request `i` to a replica. Once every arrival at this instant is placed, replicas plan."""
@@ -409,4 +423,8 @@ class _Run:
             if self.progress is not None:
                 self.progress.update(len(finished))
         self.makespan = now
+        if self.max_late and self.tally.late >= self.max_late:
+            self.events.clear()  # the TTFT limit is lost: nothing more to learn from this run
+            self.stopped_early = True
+            return
         self.issue(replica, now)

@@ -6,6 +6,8 @@ fitted to any result of the paper.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, field
 
 from charioteer.memory.block_manager import kv_bytes_per_token
@@ -117,14 +119,59 @@ def _given_or_preset(spec, cls, presets: dict):
 
 
 def model_shape(spec: str | ModelShape | dict) -> ModelShape:
-    """A preset name, a ModelShape, a dict of fields, or 'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'."""
+    """A preset name, a ModelShape, a dict of fields, a Hugging Face config.json (or its directory), or
+    'layers=..,hidden=..,ffn=..,heads=..[,kv_heads=..,vocab=..,mlp=2|3]'."""
     shape = _given_or_preset(spec, ModelShape, MODEL_PRESETS)
     if shape is not None:
         return shape
+    if spec.endswith(".json") or os.path.isdir(spec):
+        return hf_config_shape(spec)
     if "=" in spec:
         return _parse_model_shape(spec)
-    raise ValueError(f"unknown model {spec!r}: choose one of {', '.join(MODEL_PRESETS)} or give "
-                     f"'layers=..,hidden=..,ffn=..,heads=..'")
+    raise ValueError(f"unknown model {spec!r}: choose one of {', '.join(MODEL_PRESETS)}, a Hugging Face config.json, "
+                     f"or give 'layers=..,hidden=..,ffn=..,heads=..'")
+
+
+_HF_KEYS = {  # ModelShape field -> config.json keys, LLaMA-style names first, then GPT-2's
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "vocab_size": ("vocab_size",),
+}
+_HF_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _hf_value(config: dict, keys: tuple[str, ...], default=None):
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+def hf_config_shape(path: str) -> ModelShape:
+    """The ModelShape of a Hugging Face config.json (a LLaMA-style or GPT-2-style decoder), named after its directory."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {file}: {exc}") from None
+    fields = {name: _hf_value(config, keys) for name, keys in _HF_KEYS.items()}
+    missing = [keys[0] for name, keys in _HF_KEYS.items() if fields[name] is None]
+    if missing:
+        raise ValueError(f"model config {file} lacks {', '.join(missing)}")
+    hidden = fields["hidden_size"]
+    gated = config.get("hidden_act", "silu") in ("silu", "swiglu") and "n_embd" not in config
+    fields.update(
+        num_kv_heads=_hf_value(config, ("num_key_value_heads",), fields["num_heads"]),
+        intermediate_size=_hf_value(config, ("intermediate_size", "n_inner"), 4 * hidden),
+        head_dim=config.get("head_dim") or 0,
+        max_position=_hf_value(config, ("max_position_embeddings", "n_positions"), 4096),
+        mlp_matrices=3 if gated else 2,
+        dtype_bytes=_HF_DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2),
+    )
+    name = os.path.basename(os.path.dirname(os.path.abspath(file))) or "hf-model"
+    return ModelShape(name, **fields)
 
 
 def _parse_model_shape(spec: str) -> ModelShape:
@@ -208,10 +255,16 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
+# The names a datasheet gives them.
+HARDWARE_ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "h200-141gb": "h200"}
+
+
 def hardware_spec(spec: str | HardwareSpec | dict) -> HardwareSpec:
     hardware = _given_or_preset(spec, HardwareSpec, HARDWARE_PRESETS)
     if hardware is not None:
         return hardware
+    if isinstance(spec, str) and spec.lower() in HARDWARE_ALIASES:
+        return HARDWARE_PRESETS[HARDWARE_ALIASES[spec.lower()]]
     raise ValueError(f"unknown hardware {spec!r}: choose one of {', '.join(HARDWARE_PRESETS)}")
 
 
