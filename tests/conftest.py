@@ -19,3 +19,13 @@ def tiny_model():
     from charioteer.model.loader import load_model
 
     return load_model("synthetic:tiny")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_each_modules_engines():
+    """Each test module's engines hold hundreds of MB of weights and KV cache: free what is left of
+    them (module fixtures, reference cycles) before the next module builds its own."""
+    yield
+    import gc
+
+    gc.collect()

@@ -72,3 +72,23 @@ def test_stop_string_finishes_in_the_record(default_model):
     out = outputs[0].outputs[0]
     assert out.finish_reason == "stop" and " " not in out.text
     assert steps[-1].finished == (outputs[0].request_id,)
+
+
+def test_a_dropped_engine_is_freed_without_the_garbage_collector(tiny_model):
+    """No reference cycle keeps an engine (its weights and KV cache) alive after its last user."""
+    import gc
+    import weakref
+
+    from charioteer import LLM, SamplingParams
+
+    gc.disable()
+    try:
+        llm = LLM(tiny_model, max_num_seqs=2)
+        unsubscribe = llm.engine.subscribe(lambda record: None)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop=["x"]))
+        unsubscribe()
+        engine = weakref.ref(llm.engine)
+        del llm, unsubscribe
+        assert engine() is None
+    finally:
+        gc.enable()

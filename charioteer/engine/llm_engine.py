@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -37,8 +38,11 @@ class LLMEngine:
                                                  self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
+        # Through a weak reference: the scheduler must not keep the engine (its weights, its KV cache)
+        # alive in a cycle that only the garbage collector's rare full pass would free.
+        holds_stop_string = weakref.WeakMethod(self._holds_stop_string)
         self.scheduler = make_scheduler(args.scheduler_config.for_context(self.max_model_len), self.blocks,
-                                        self._holds_stop_string)
+                                        lambda request: holds_stop_string()(request))
         # Pipeline parallelism: stage processes hold the weights and KV caches (each its layers'
         # share of the same number of KV blocks); this process keeps scheduling and sampling.
         self.executor = None
