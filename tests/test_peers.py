@@ -106,7 +106,7 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path
     w = peers.workload_b(Small.config.vocab_size, num_requests=4)
     elapsed = {"charioteer-sarathi": iter([1.0, 1.1, 0.9]), "hf-static": iter([3.0, 3.3, 2.9])}
 
-    def fake_run(python, engine, model, workloads, threads, timeout_s):
+    def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
         return {"process_s": 5.0, "results": [{"elapsed_s": next(elapsed[engine]), "prompt_tokens": 100,
                                                "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
 
@@ -120,3 +120,35 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path
     assert roof["peak_matmul_gflops"] > 1e-6  # raised by the observed rate
     assert all(v <= 1 for r in (s, h) for v in [r["mfu"], *r["mfu_spread"]])
     assert s["mfu_spread"][1] >= 0.99  # the fastest run is the peak now (rounded up to 0.1 GFLOP/s)
+
+
+def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, tmp_path):
+    """--dtypes float32,bfloat16: every engine but llama.cpp runs once per dtype (the dtype reaches its
+    process), and each row's speedup is against charioteer-sarathi at the same precision."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peers, "model_files", lambda cache_dir, keys: {k: {"hf_dir": "unused"} for k in keys})
+
+    class Small:
+        config = load_model("synthetic:tiny").config
+        tokenizer = None
+
+    monkeypatch.setattr("charioteer.model.loader.load_hf_dir", lambda path: Small)
+    w = peers.workload_b(Small.config.vocab_size, num_requests=4)
+    seconds = {("charioteer-sarathi", "float32"): 1.0, ("hf-static", "float32"): 2.0,
+               ("charioteer-sarathi", "bfloat16"): 4.0, ("hf-static", "bfloat16"): 2.0}
+    ran = []
+
+    def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
+        ran.append((engine, dtype))
+        return {"process_s": 1.0, "results": [{"elapsed_s": seconds[engine, dtype], "prompt_tokens": 100,
+                                               "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
+
+    monkeypatch.setattr(peers, "run_engine", fake_run)
+    result = peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, repeats=2,
+                             dtypes=("float32", "bfloat16"))
+    assert sorted(set(ran)) == sorted(seconds)
+    rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
+    assert set(rows) == {("charioteer-sarathi", "fp32"), ("hf-static", "fp32"), ("charioteer-sarathi", "bf16"),
+                         ("hf-static", "bf16")}
+    assert rows["hf-static", "fp32"]["sarathi_speedup"] == pytest.approx(2.0, abs=0.01)
+    assert rows["hf-static", "bf16"]["sarathi_speedup"] == pytest.approx(0.5, abs=0.01)
