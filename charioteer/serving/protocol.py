@@ -288,11 +288,6 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
         message = str(exc)
         param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in SamplingParams.__dataclass_fields__ else None
         raise bad_request(message, param=param) from None
-    if param == "structured_outputs":
-        param = f"structured_outputs.{spec.kind}"
-    elif param == "response_format" and spec.kind == "json":
-        param = "response_format.json_schema.schema"
-    return spec, param
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
