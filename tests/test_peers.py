@@ -89,13 +89,11 @@ def test_side_by_side_run(tmp_path, monkeypatch):
     assert rows["vllm-cpu"]["status"].startswith("skipped")
 
 
-def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path):
-    """Rows, verdicts and MFU from canned engine results: no process, no timing. A run faster than the
-    stored peak makes the roofline re-measure it, and no MFU comes out above 1."""
-    from charioteer.bench import roofline as rl
-
+@pytest.fixture
+def canned_b(monkeypatch, tmp_path):
+    """Workload B (4 requests) over the tiny model's config, with no model files written or loaded:
+    for tests that hand run_peers canned engine results."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(rl, "measure_peak_matmul_flops", lambda *a, **k: 1e6)  # the fresh measurement: 0.001 GFLOP/s
     monkeypatch.setattr(peers, "model_files", lambda cache_dir, keys: {k: {"hf_dir": "unused"} for k in keys})
 
     class Small:
@@ -103,7 +101,16 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path
         tokenizer = None
 
     monkeypatch.setattr("charioteer.model.loader.load_hf_dir", lambda path: Small)
-    w = peers.workload_b(Small.config.vocab_size, num_requests=4)
+    return peers.workload_b(Small.config.vocab_size, num_requests=4)
+
+
+def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, canned_b):
+    """Rows, verdicts and MFU from canned engine results: no process, no timing. A run faster than the
+    stored peak makes the roofline re-measure it, and no MFU comes out above 1."""
+    from charioteer.bench import roofline as rl
+
+    monkeypatch.setattr(rl, "measure_peak_matmul_flops", lambda *a, **k: 1e6)  # the fresh measurement: 0.001 GFLOP/s
+    w = canned_b
     elapsed = {"charioteer-sarathi": iter([1.0, 1.1, 0.9]), "hf-static": iter([3.0, 3.3, 2.9])}
 
     def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
@@ -122,18 +129,10 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, tmp_path
     assert s["mfu_spread"][1] >= 0.99  # the fastest run is the peak now (rounded up to 0.1 GFLOP/s)
 
 
-def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, tmp_path):
+def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, canned_b):
     """--dtypes float32,bfloat16: every engine but llama.cpp runs once per dtype (the dtype reaches its
     process), and each row's speedup is against charioteer-sarathi at the same precision."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(peers, "model_files", lambda cache_dir, keys: {k: {"hf_dir": "unused"} for k in keys})
-
-    class Small:
-        config = load_model("synthetic:tiny").config
-        tokenizer = None
-
-    monkeypatch.setattr("charioteer.model.loader.load_hf_dir", lambda path: Small)
-    w = peers.workload_b(Small.config.vocab_size, num_requests=4)
+    w = canned_b
     seconds = {("charioteer-sarathi", "float32"): 1.0, ("hf-static", "float32"): 2.0,
                ("charioteer-sarathi", "bfloat16"): 4.0, ("hf-static", "bfloat16"): 2.0}
     ran = []
