@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from charioteer.memory.block_manager import KV_POLICIES
+from charioteer.memory.block_manager import KV_POLICIES, PREFIX_CACHING_WITH_RESERVE
 from charioteer.model.precision import DTYPES, QUANTIZATIONS
 
 SCHEDULERS = ("sarathi", "orca", "vllm", "request-level")
@@ -167,10 +167,17 @@ class CacheConfig:
     num_blocks: int | None = setting(
         None, "KV blocks (default: as many as --kv-cache-memory-gb holds)", name="num_kv_blocks")
     kv_cache_memory_gb: float = setting(2.0, "memory for the KV cache, GiB")
+    enable_prefix_caching: bool = setting(
+        False, "reuse the KV blocks of a prompt's longest cached prefix (full blocks, hashed by their "
+               "tokens) and prefill only the rest; unused cached blocks are evicted least recently used")
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"unknown kv_policy {self.kv_policy!r}: choose one of {', '.join(KV_POLICIES)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching and self.kv_policy == "reserve":
+            raise ValueError(PREFIX_CACHING_WITH_RESERVE)
         _check_min("block_size", self.block_size, optional=False)
         _check_min("num_kv_blocks", self.num_blocks)
         if not self.memory_bytes >= 1:

@@ -37,7 +37,8 @@ class LLMEngine:
         self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
                                                  self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
-        self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True)
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True,
+                                   enable_prefix_caching=cache.enable_prefix_caching)
         # Through a weak reference: the scheduler must not keep the engine (its weights, its KV cache)
         # alive in a cycle that only the garbage collector's rare full pass would free.
         holds_stop_string = weakref.WeakMethod(self._holds_stop_string)
@@ -75,6 +76,7 @@ class LLMEngine:
         self._streaming: dict[str, int] = {}  # request_id -> length of text already returned
         self._decoded: dict[str, tuple[int, str]] = {}  # request_id -> (output tokens, their text)
         self.num_steps = 0
+        self._prefix_cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last step record
 
     # ---- reporting ----------------------------------------------------------------------
 
@@ -278,10 +280,19 @@ class LLMEngine:
             start_time=t0, schedule_s=schedule_s, execute_s=execute_s, duration_s=time.monotonic() - t0,
             cpu_s=time.thread_time() - cpu0, kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
             kv_blocks_total=blocks.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting),
-            token_budget=sched.token_budget, pipeline=timing,
+            token_budget=sched.token_budget, pipeline=timing, **self._prefix_cache_counts(),
         )
         for observer in list(self._observers):
             observer(record)
+
+    def _prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix-cache queries and hits (tokens) since the previous step record."""
+        cache = self.blocks.prefix_cache
+        if cache is None:
+            return {}
+        last_queries, last_hits = self._prefix_cache_seen
+        self._prefix_cache_seen = cache.queries, cache.hits
+        return {"prefix_cache_queries": cache.queries - last_queries, "prefix_cache_hits": cache.hits - last_hits}
 
     def _text(self, request: Request) -> str:
         """The output decoded once per new token (the stop-string check and _collect share it)."""

@@ -56,6 +56,9 @@ class StepRecord(PlanCounts):
     num_waiting: int
     token_budget: int | None  # the chunk size C the policy planned with (SARATHI), else None
     pipeline: PipelineTiming | None = None  # with pipeline stages: the micro-batch's stage times
+    # Prefix caching: prompt tokens looked up by the admissions of this step, and those found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def request_ids(self) -> list[str]:

@@ -7,6 +7,11 @@ Two policies:
 - `paged` (default): blocks are taken on demand as a request grows, as in vLLM.
 - `reserve`: the paper's policy; at admission a request reserves room for its maximum length
   (prompt + max_tokens), so it can never run out later and is never preempted.
+
+A block may be held by several requests (a reference count per block): with prefix caching
+(`memory/prefix_cache.py`, paged only) a request starts with the cached blocks of its prompt's
+longest cached prefix, and `fork` lets a request share another's full blocks (the samples of
+`n > 1`). Shared blocks are always full, so nobody writes them again.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import bisect
 
 import numpy as np
 
+from charioteer.memory.prefix_cache import BlockKey, PrefixCache
 from charioteer.request import Request
 
 KV_POLICIES = ("paged", "reserve")
@@ -24,7 +30,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged", prefer_contiguous: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, policy: str = "paged", prefer_contiguous: bool = False,
+                 enable_prefix_caching: bool = False) -> None:
         """`prefer_contiguous`: hand a request consecutive block ids where possible (the lowest free
         run that fits; a growing request its next block), so its K/V is one run of cache rows that
         attention reads in place. It costs a scan of the free list per admission, so the simulator,
@@ -33,6 +40,8 @@ class BlockManager:
             raise ValueError(f"unknown kv_policy {policy!r}: choose one of {', '.join(KV_POLICIES)}")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if enable_prefix_caching and policy == "reserve":
+            raise ValueError(PREFIX_CACHING_WITH_RESERVE)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = policy
@@ -45,14 +54,19 @@ class BlockManager:
         # requests are placed outside that room while space allows, so a request that fills its
         # prompt and then decodes block by block stays one run instead of hitting its neighbour.
         self._room_end: dict[str, int] = {}
+        self._refs = [0] * num_blocks  # requests holding each block
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self._keys: dict[str, list[BlockKey]] = {}  # request_id -> keys of its full blocks, memoized
+        self._num_registered: dict[str, int] = {}  # request_id -> its leading blocks already in the cache
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request may take: free ones and cached ones that no request holds."""
+        return len(self._free) + (self.prefix_cache.num_unused if self.prefix_cache else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -65,24 +79,36 @@ class BlockManager:
     def block_table(self, request: Request) -> list[int]:
         return self._tables.get(request.request_id, [])
 
-    def _blocks_to_admit(self, request: Request, first_tokens: int) -> int:
-        if self.policy == "reserve":
-            return cdiv(request.max_num_tokens, self.block_size)
-        return cdiv(first_tokens, self.block_size)
-
     def can_admit(self, request: Request, first_tokens: int) -> bool:
         """Whether a waiting request can start with `first_tokens` tokens in its first batch."""
-        return self._blocks_to_admit(request, first_tokens) <= len(self._free)
+        if self.policy == "reserve":
+            return cdiv(request.max_num_tokens, self.block_size) <= len(self._free)
+        hits = self._cached_prefix(request)
+        cached = len(hits) * self.block_size
+        first = min(first_tokens, request.num_tokens - cached)
+        unused_hits = sum(1 for block in hits if self._refs[block] == 0)  # taking them shrinks the pool
+        return cdiv(cached + first, self.block_size) - len(hits) + unused_hits <= self.num_free_blocks
 
     def fits_ever(self, request: Request) -> bool:
         """Whether the request could run at all with the whole cache to itself."""
         return cdiv(request.max_num_tokens, self.block_size) <= self.num_blocks
 
-    def admit(self, request: Request, first_tokens: int) -> None:
-        assert request.request_id not in self._tables, f"{request.request_id} already holds blocks"
-        self._tables[request.request_id] = []
+    def admit(self, request: Request, first_tokens: int) -> int:
+        """Give a waiting request its block table. Returns how many of its first tokens are already
+        in the cache (whole blocks of a cached prefix), which it need not compute."""
+        rid = request.request_id
+        assert rid not in self._tables, f"{rid} already holds blocks"
+        hits = self._cached_prefix(request)
+        for block in hits:
+            self._hold(block)
+        self._tables[rid] = list(hits)
+        self._num_registered[rid] = len(hits)
+        if self.prefix_cache is not None and request.params.prompt_logprobs is None:
+            self.prefix_cache.queries += request.num_tokens
+            self.prefix_cache.hits += len(hits) * self.block_size
         if self.policy == "reserve":
-            self._grow(request, self._blocks_to_admit(request, first_tokens))
+            self._grow(request, cdiv(request.max_num_tokens, self.block_size))
+        return len(hits) * self.block_size
 
     def ensure(self, request: Request, num_tokens: int) -> bool:
         """Make positions [0, num_tokens) addressable. Returns False (changing nothing) if out of blocks."""
@@ -92,16 +118,77 @@ class BlockManager:
             return True
         if self.policy == "reserve":
             raise RuntimeError(f"{request.request_id} grew past its reserved {len(table)} blocks")
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             return False
         self._grow(request, missing)
         return True
 
+    # ---- sharing ------------------------------------------------------------------------
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks a waiting request may start with: its longest cached prefix, leaving at
+        least its last token to compute (for its logits). None for a request that wants prompt
+        logprobs, since cached positions are never computed for it."""
+        if self.prefix_cache is None or request.params.prompt_logprobs is not None:
+            return []
+        bs = self.block_size
+        return self.prefix_cache.lookup(self._block_keys(request, (request.num_tokens - 1) // bs * bs))
+
+    def _block_keys(self, request: Request, num_tokens: int) -> list[BlockKey]:
+        """The prefix-cache keys of the request's full blocks within its first `num_tokens` tokens."""
+        known = self._keys.setdefault(request.request_id, [])
+        if len(known) < num_tokens // self.block_size:
+            self.prefix_cache.keys(request.token_slice(0, num_tokens), known)
+        return known[:num_tokens // self.block_size]
+
+    def cache_computed(self, request: Request) -> None:
+        """Offer the request's newly completed full blocks to the prefix cache (call once the batch
+        that wrote them has returned)."""
+        if self.prefix_cache is None:
+            return
+        rid = request.request_id
+        done, full = self._num_registered.get(rid, 0), request.num_computed_tokens // self.block_size
+        if full <= done or rid not in self._tables:
+            return
+        keys, table = self._block_keys(request, full * self.block_size), self._tables[rid]
+        for i in range(done, full):
+            self.prefix_cache.register(keys[i], table[i])
+        self._num_registered[rid] = full
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Start `child` (not yet admitted) on `parent`'s full computed blocks, shared. Returns the
+        tokens it shares; it computes the rest (at least the last token, for its own logits)."""
+        assert child.request_id not in self._tables, f"{child.request_id} already holds blocks"
+        shared = self._tables[parent.request_id][:(min(parent.num_computed_tokens, child.num_tokens - 1)
+                                                   // self.block_size)]
+        for block in shared:
+            self._hold(block)
+        self._tables[child.request_id] = list(shared)
+        self._num_registered[child.request_id] = len(shared)
+        return len(shared) * self.block_size
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self.prefix_cache.take(block)
+        self._refs[block] += 1
+
+    def _reclaim(self, n: int) -> None:
+        """Evict least recently used cached blocks until `n` blocks are free."""
+        while len(self._free) < n and self.prefix_cache is not None:
+            block = self.prefix_cache.evict()
+            if self.prefer_contiguous:
+                bisect.insort(self._free, block)
+            else:
+                self._free.append(block)
+
     def _grow(self, request: Request, n: int) -> None:
         table = self._tables[request.request_id]
+        self._reclaim(n)
         if not self.prefer_contiguous:
             for _ in range(n):
-                table.append(self._free.pop())
+                block = self._free.pop()
+                self._refs[block] = 1
+                table.append(block)
             return
         free = self._free  # ascending
         nxt = table[-1] + 1 if table else -1
@@ -111,6 +198,8 @@ class BlockManager:
         else:
             start = self._place(request, n, len(table))
         table.extend(free[start:start + n])
+        for block in free[start:start + n]:
+            self._refs[block] = 1
         del free[start:start + n]
         if self.policy == "paged":
             self._room_end[request.request_id] = table[-1] + 1 + max(
@@ -144,15 +233,25 @@ class BlockManager:
         return 0
 
     def free(self, request: Request) -> None:
-        table = self._tables.pop(request.request_id, None)
-        self._room_end.pop(request.request_id, None)
-        if not table:
-            return
-        if self.prefer_contiguous:
-            for block in table:
+        """The request lets go of its blocks (finished or preempted). A block nobody holds becomes
+        free, or stays cached as unused with prefix caching; the request's last blocks are
+        released first, so they are evicted before the prefix that others may share."""
+        rid = request.request_id
+        table = self._tables.pop(rid, None)
+        for memo in (self._room_end, self._keys, self._num_registered):
+            memo.pop(rid, None)
+        for block in reversed(table or ()):
+            self._refs[block] -= 1
+            if self._refs[block] or (self.prefix_cache is not None and self.prefix_cache.release(block)):
+                continue
+            if self.prefer_contiguous:
                 bisect.insort(self._free, block)
-        else:
-            self._free.extend(reversed(table))
+            else:
+                self._free.append(block)
+
+
+PREFIX_CACHING_WITH_RESERVE = ("prefix caching shares KV blocks on demand, but kv_policy 'reserve' reserves each "
+                               "request's blocks at admission: use kv_policy 'paged' or turn prefix caching off")
 
 
 # The paper's memory arithmetic (section 4.3.1), shared by the engine, `charioteer tune` and the

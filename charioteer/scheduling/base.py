@@ -201,15 +201,20 @@ class Scheduler(ABC):
     def _can_admit(self, request: Request, first_tokens: int) -> bool:
         return len(self.running) < self.config.max_num_seqs and self.blocks.can_admit(request, first_tokens)
 
-    def _admit(self, request: Request, first_tokens: int) -> bool:
-        """Move a waiting request (normally the head) to running if memory allows its first batch."""
+    def _admit(self, request: Request, first_tokens: int) -> int:
+        """Move a waiting request (normally the head) to running if memory allows its first batch.
+
+        Returns the tokens its first batch runs (0: not admitted): `first_tokens`, or fewer when
+        the prefix cache already holds the start of its prompt.
+        """
         if not self._can_admit(request, first_tokens):
-            return False
+            return 0
         if self.waiting[0] is request:
             self.waiting.popleft()
         else:
             self.waiting.remove(request)
-        self.blocks.admit(request, first_tokens)
+        request.num_computed_tokens = self.blocks.admit(request, first_tokens)
+        first_tokens = min(first_tokens, request.num_remaining_tokens)
         if not self.blocks.ensure(request, request.num_computed_tokens + first_tokens):
             raise AssertionError("admission checked the blocks it needs")
         request.status = RequestStatus.RUNNING
@@ -219,7 +224,7 @@ class Scheduler(ABC):
             _insert_by_priority(self.running, request)
         else:
             self.running.append(request)
-        return True
+        return first_tokens
 
     def _preempt(self, request: Request, batch: Batch) -> None:
         self.running.remove(request)
@@ -354,6 +359,7 @@ class Scheduler(ABC):
                 self.blocks.free(request)
                 continue
             request.num_computed_tokens = entry.end
+            self.blocks.cache_computed(request)
             if entry.samples:
                 request.append_output_token(sampled[request.request_id], now, self.holds_stop_string)
                 if request.finish_reason is not None:

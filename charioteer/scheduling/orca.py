@@ -40,7 +40,8 @@ class OrcaScheduler(Scheduler):
             num = request.num_remaining_tokens
             if budget is not None and batch.num_tokens + num > budget:
                 break
-            if not self._admit(request, num):
+            num = self._admit(request, num)  # fewer when the prefix cache holds the prompt's start
+            if not num:
                 break
             batch.add(request, num)
 

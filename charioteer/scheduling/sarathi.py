@@ -85,7 +85,8 @@ class SarathiScheduler(Scheduler):
         if num < 1:
             return False
         if admit:
-            if not self._admit(request, num):
+            num = self._admit(request, num)  # fewer when the prefix cache holds the prompt's start
+            if not num:
                 return False
         elif not self._grow_or_preempt(request, num, batch):
             return False
@@ -164,7 +165,7 @@ class SarathiScheduler(Scheduler):
                 continue
             tried += 1
             added.append(batch.entries[-1])
-            partial += num < request.num_remaining_tokens
+            partial += batch.entries[-1].num_tokens < request.num_remaining_tokens
             num_long += waiting and self._is_long(request)
         if n > 1:
             self._top_up(batch, added, tokens - sum(e.num_tokens for e in added), limit)

@@ -391,6 +391,9 @@ class AsyncEngine:
         m.iteration_duration[step.kind].observe(step.duration_s)
         if step.preempted:
             m.preemptions.inc(len(step.preempted))
+        if step.prefix_cache_queries:
+            m.prefix_cache_queries.inc(step.prefix_cache_queries)
+            m.prefix_cache_hits.inc(step.prefix_cache_hits)
         m.running.set(step.num_running)
         m.waiting.set(step.num_waiting)
         m.kv_usage.set(step.kv_blocks_used / step.kv_blocks_total)

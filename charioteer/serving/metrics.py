@@ -8,6 +8,8 @@ Per iteration, from the engine's step records (`AsyncEngine._observe_step`):
                                                none (nearest: the generation_tokens counter)
   charioteer:iteration_duration_seconds{kind}  wall time of a step, kind = prefill, decode or mixed
                                                (StepRecord.kind); vLLM has none
+  charioteer:prefix_cache_queries_total        = vllm:prefix_cache_queries (prompt tokens looked up)
+  charioteer:prefix_cache_hits_total           = vllm:prefix_cache_hits (of those, tokens found cached)
 Each of the three new histograms observes every step once, so their counts equal the number of
 steps and their sums the tokens (or seconds) the steps ran.
 
@@ -72,6 +74,9 @@ class ServerMetrics:
         self._success = Counter("charioteer:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prefix cache queries, in prompt tokens looked up at admission.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.")
         self.aborted = counter("num_requests_aborted", "Requests aborted (client gone or server error).")
         self.rejected = counter("num_requests_rejected", "Requests refused because the queue was full.")
 
