@@ -9,6 +9,7 @@ the outputs so far are prefilled again (in chunks, under SARATHI), then decoding
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import time
@@ -86,6 +87,10 @@ class SamplingParams:
     # (generate(..., priority=)); those keywords set it here, so it travels with the request.
     priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (vLLM's name)
+    # Samples per prompt (vLLM's): `best_of` are generated (default n), the n of highest cumulative
+    # logprob are returned. They share the prompt's KV blocks; sample i samples with seed + i.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +116,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer (lower runs first), got {self.priority!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.structured_outputs is not None:
@@ -122,6 +132,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated per prompt: best_of, else n."""
+        return self.best_of or self.n
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters sample `index` of a request runs with: one sample each, seed + index (as
+        vLLM's), the sampled tokens' logprobs kept when best_of must rank the samples, and prompt
+        logprobs only on sample 0 (the prompt is the same)."""
+        return dataclasses.replace(
+            self, n=1, best_of=None, seed=None if self.seed is None else (self.seed + index) % 2**63,
+            logprobs=0 if self.logprobs is None and self.num_samples > self.n else self.logprobs,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 class GrammarState(Protocol):
@@ -154,6 +178,9 @@ class Request:
     # Structured outputs: the sampler masks this request's logits with it and advances it with
     # each sampled token (before append_output_token sees the token).
     grammar: GrammarState | None = None
+    # n > 1: the request's sample 0, which prefills the prompt; this sample waits for it and then
+    # starts on its KV blocks (the scheduler and the block manager share them).
+    fork_of: Request | None = None
 
     # Filled by the executor when asked for.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -252,6 +279,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    cumulative_logprob: float | None = None  # of the generated tokens, where their logprobs were computed
 
 
 @dataclass
@@ -277,3 +305,16 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+
+def merge_samples(outputs: list[RequestOutput], n: int, keep_logprobs: bool = True) -> RequestOutput:
+    """One output for the samples of a request (sample 0's output first): all of them, or the n
+    of highest cumulative logprob when best_of generated more, indexed 0..n-1. `keep_logprobs`
+    False drops the per-token logprobs that best_of needed but the caller did not ask for."""
+    completions = [o.outputs[0] for o in outputs]
+    if len(completions) > n:
+        completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[:n]
+    merged = [dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None,
+                                  cumulative_logprob=c.cumulative_logprob if keep_logprobs else None)
+              for i, c in enumerate(completions)]
+    return dataclasses.replace(outputs[0], outputs=merged, finished=all(o.finished for o in outputs))

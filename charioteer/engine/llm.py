@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from charioteer.config import EngineArgs
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.model.loader import LoadedModel
-from charioteer.request import RequestOutput, SamplingParams
+from charioteer.request import RequestOutput, SamplingParams, merge_samples
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -60,24 +60,30 @@ class LLM:
         priorities = [None] * len(prompts) if priority is None else list(priority)
         requests = [self.engine.make_request(p, sp, priority=pr)
                     for p, sp, pr in zip(prompts, sampling_params, priorities)]
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        for request in requests:
-            self.engine.add(request)
-        results: list[RequestOutput | None] = [None] * len(requests)
+        samples = [self.engine.make_samples(r) for r in requests]  # n > 1: each prompt's samples
+        where = {s.request_id: (i, j) for i, group in enumerate(samples) for j, s in enumerate(group)}
+        for group in samples:
+            for sample in group:
+                self.engine.add(sample)
+        done: list[list[RequestOutput | None]] = [[None] * len(group) for group in samples]
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
             progress = tqdm(total=len(requests), desc="requests", unit="req")
-        while any(r is None for r in results):
+        left = len(where)
+        while left:
             for out in self.engine.step():
-                if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-                    if progress:
+                if out.finished and out.request_id in where:
+                    i, j = where.pop(out.request_id)
+                    done[i][j] = out
+                    left -= 1
+                    if progress and all(done[i]):
                         progress.update(1)
         if progress:
             progress.close()
-        return results
+        return [outs[0] if len(outs) == 1 else merge_samples(outs, sp.n, keep_logprobs=sp.logprobs is not None)
+                for outs, sp in zip(done, sampling_params)]
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         if self.tokenizer is None:

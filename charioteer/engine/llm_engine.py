@@ -156,6 +156,22 @@ class LLMEngine:
         self.scheduler.check_request(request)
         return request
 
+    def make_samples(self, request: Request) -> list[Request]:
+        """The samples of a request built by make_request: itself (sample 0, which prefills the
+        prompt) and, for n or best_of > 1, one request per further sample, `{i}_{request_id}`, that
+        starts on sample 0's prompt KV. Add them all; `merge_samples` joins their outputs."""
+        params = request.params
+        if params.num_samples == 1:
+            return [request]
+        request.params = params.for_sample(0)
+        samples = [request]
+        for i in range(1, params.num_samples):
+            sample = self.make_request(request.prompt_token_ids, params.for_sample(i), f"{i}_{request.request_id}",
+                                       prompt_text=request.prompt, arrival_time=request.arrival_time)
+            sample.fork_of = request
+            samples.append(sample)
+        return samples
+
     def add(self, request: Request, stream: bool = False) -> None:
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
@@ -349,6 +365,8 @@ class LLMEngine:
                 index=0, text=text, token_ids=list(request.output_token_ids),
                 finish_reason=request.finish_reason if request.is_finished else None,
                 logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
+                cumulative_logprob=sum(lp[t] for lp, t in zip(request.output_logprobs, request.output_token_ids))
+                if params.logprobs is not None else None,
             )],
             finished=request.is_finished,
             prompt_logprobs=list(request.prompt_logprobs) if params.prompt_logprobs is not None else None,

@@ -10,8 +10,8 @@ Two policies:
 
 A block may be held by several requests (a reference count per block): with prefix caching
 (`memory/prefix_cache.py`, paged only) a request starts with the cached blocks of its prompt's
-longest cached prefix, and `fork` lets a request share another's full blocks (the samples of
-`n > 1`). Shared blocks are always full, so nobody writes them again.
+longest cached prefix; the samples of an `n > 1` request start on the prompt blocks that its
+sample 0 computed. Shared blocks are always full, so nobody writes them again.
 """
 from __future__ import annotations
 
@@ -81,9 +81,9 @@ class BlockManager:
 
     def can_admit(self, request: Request, first_tokens: int) -> bool:
         """Whether a waiting request can start with `first_tokens` tokens in its first batch."""
+        hits = self._shared_prefix(request)
         if self.policy == "reserve":
-            return cdiv(request.max_num_tokens, self.block_size) <= len(self._free)
-        hits = self._cached_prefix(request)
+            return cdiv(request.max_num_tokens, self.block_size) - len(hits) <= len(self._free)
         cached = len(hits) * self.block_size
         first = min(first_tokens, request.num_tokens - cached)
         unused_hits = sum(1 for block in hits if self._refs[block] == 0)  # taking them shrinks the pool
@@ -98,7 +98,7 @@ class BlockManager:
         in the cache (whole blocks of a cached prefix), which it need not compute."""
         rid = request.request_id
         assert rid not in self._tables, f"{rid} already holds blocks"
-        hits = self._cached_prefix(request)
+        hits = self._shared_prefix(request)
         for block in hits:
             self._hold(block)
         self._tables[rid] = list(hits)
@@ -107,7 +107,7 @@ class BlockManager:
             self.prefix_cache.queries += request.num_tokens
             self.prefix_cache.hits += len(hits) * self.block_size
         if self.policy == "reserve":
-            self._grow(request, cdiv(request.max_num_tokens, self.block_size))
+            self._grow(request, cdiv(request.max_num_tokens, self.block_size) - len(hits))
         return len(hits) * self.block_size
 
     def ensure(self, request: Request, num_tokens: int) -> bool:
@@ -125,14 +125,21 @@ class BlockManager:
 
     # ---- sharing ------------------------------------------------------------------------
 
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks a waiting request may start with: its longest cached prefix, leaving at
-        least its last token to compute (for its logits). None for a request that wants prompt
-        logprobs, since cached positions are never computed for it."""
-        if self.prefix_cache is None or request.params.prompt_logprobs is not None:
+    def _shared_prefix(self, request: Request) -> list[int]:
+        """Blocks a waiting request may start on, leaving at least its last token to compute (for
+        its logits): its longest cached prefix, or else the full blocks of its prompt that its
+        sample 0 (`fork_of`) has computed. None for a request that wants prompt logprobs, since
+        shared positions are never computed for it."""
+        if request.params.prompt_logprobs is not None:
             return []
         bs = self.block_size
-        return self.prefix_cache.lookup(self._block_keys(request, (request.num_tokens - 1) // bs * bs))
+        if self.prefix_cache is not None:
+            return self.prefix_cache.lookup(self._block_keys(request, (request.num_tokens - 1) // bs * bs))
+        leader = request.fork_of
+        if leader is None or leader.request_id not in self._tables:
+            return []
+        num = min(leader.num_computed_tokens, request.num_prompt_tokens, request.num_tokens - 1) // bs
+        return self._tables[leader.request_id][:num]
 
     def _block_keys(self, request: Request, num_tokens: int) -> list[BlockKey]:
         """The prefix-cache keys of the request's full blocks within its first `num_tokens` tokens."""
@@ -155,20 +162,8 @@ class BlockManager:
             self.prefix_cache.register(keys[i], table[i])
         self._num_registered[rid] = full
 
-    def fork(self, parent: Request, child: Request) -> int:
-        """Start `child` (not yet admitted) on `parent`'s full computed blocks, shared. Returns the
-        tokens it shares; it computes the rest (at least the last token, for its own logits)."""
-        assert child.request_id not in self._tables, f"{child.request_id} already holds blocks"
-        shared = self._tables[parent.request_id][:(min(parent.num_computed_tokens, child.num_tokens - 1)
-                                                   // self.block_size)]
-        for block in shared:
-            self._hold(block)
-        self._tables[child.request_id] = list(shared)
-        self._num_registered[child.request_id] = len(shared)
-        return len(shared) * self.block_size
-
     def _hold(self, block: int) -> None:
-        if self._refs[block] == 0:
+        if self._refs[block] == 0 and self.prefix_cache is not None:
             self.prefix_cache.take(block)
         self._refs[block] += 1
 

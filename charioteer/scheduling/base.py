@@ -128,6 +128,8 @@ class Scheduler(ABC):
         # Ready requests a capped plan hides from the policy (flagged in flight meanwhile): unlike
         # requests really in flight, they may be preempted to make room.
         self._hidden: set[int] = set()
+        # n > 1: samples that wait for their sample 0 to prefill the prompt, by its request id.
+        self._forks: dict[str, list[Request]] = {}
 
     # ---- queue management -------------------------------------------------------------
 
@@ -148,7 +150,17 @@ class Scheduler(ABC):
                 f"or give the KV cache more memory"
             )
         request.status = RequestStatus.WAITING
+        leader = request.fork_of
+        if leader is not None and not leader.is_finished and not leader.output_token_ids:
+            self._forks.setdefault(leader.request_id, []).append(request)
+            return
         self._enqueue(request, front=False)
+
+    def _release_forks(self, leader: Request) -> None:
+        """`leader` has prefilled its prompt (or ended): the samples waiting for it are queued
+        first, as they arrived with it; the block manager starts them on its blocks."""
+        for request in reversed(self._forks.pop(leader.request_id, [])):
+            self._enqueue(request, front=True)
 
     def _enqueue(self, request: Request, front: bool) -> None:
         """Into the waiting queue: at its tail (new) or head (preempted), or by priority."""
@@ -161,7 +173,7 @@ class Scheduler(ABC):
         _insert_by_priority(self.waiting, request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     @property
     def token_budget(self) -> int | None:
@@ -170,7 +182,7 @@ class Scheduler(ABC):
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(map(len, self._forks.values()))
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stop, length or abort) and free its KV blocks at once."""
@@ -178,11 +190,17 @@ class Scheduler(ABC):
             return
         if request in self.running:
             self.running.remove(request)
+        elif request.fork_of is not None and request in self._forks.get(request.fork_of.request_id, ()):
+            held = self._forks[request.fork_of.request_id]
+            held.remove(request)
+            if not held:
+                del self._forks[request.fork_of.request_id]
         else:
             try:
                 self.waiting.remove(request)
             except ValueError:
                 pass
+        self._release_forks(request)
         if not request.in_flight:  # else on_batch_done frees them, once no stage can write them
             self.blocks.free(request)
         request.status = RequestStatus.FINISHED
@@ -190,7 +208,7 @@ class Scheduler(ABC):
         request.finish_time = time.monotonic()
 
     def abort(self, request_id: str) -> Request | None:
-        for request in [*self.running, *self.waiting]:
+        for request in [*self.running, *self.waiting, *(r for held in self._forks.values() for r in held)]:
             if request.request_id == request_id:
                 self.finish(request, "abort")
                 return request
@@ -362,6 +380,7 @@ class Scheduler(ABC):
             self.blocks.cache_computed(request)
             if entry.samples:
                 request.append_output_token(sampled[request.request_id], now, self.holds_stop_string)
+                self._release_forks(request)
                 if request.finish_reason is not None:
                     self.finish(request, request.finish_reason)
                     finished.append(request)
