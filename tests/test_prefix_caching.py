@@ -153,3 +153,19 @@ def test_reserve_policy_refuses_prefix_caching():
         CacheConfig(kv_policy="reserve", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="kv_policy 'paged'"):
         BlockManager(8, 4, policy="reserve", enable_prefix_caching=True)
+
+
+def test_bench_prefix_caching_json(capsys):
+    import json
+
+    from charioteer.cli import main
+
+    rc = main(["bench", "prefix-caching", "--model", "synthetic:tiny", "--json", "--prefix-len", "64",
+               "--suffix-len", "8", "--num-requests", "3", "--max-tokens", "3", "--repeats", "2", "--chunk-size", "32"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["run"]: r for r in out["rows"]}
+    assert rows["off"]["prefilled_tokens"] == 3 * (64 + 8)
+    assert rows["on"]["prefilled_tokens"] == 64 + 3 * 8  # the shared 64 tokens are 4 full blocks, prefilled once
+    assert out["outputs_identical"] is True
+    assert out["ttft_speedup_verdict"] in {"faster", "slower", "not distinguishable"}

@@ -194,7 +194,7 @@ BAD = [
     ("bad role", CH, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages.0.role"),
     ("unknown field", C, {"prompt": "Hi", "max_token": 5}, 400, "max_token"),
     ("missing prompt", C, {"max_tokens": 5}, 400, "prompt"),
-    ("n=2", C, {"prompt": "Hi", "n": 2}, 400, "n"),
+    ("n=0", C, {"prompt": "Hi", "n": 0}, 400, "n"),
     ("suffix", C, {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
     ("tools", CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("max_tokens 0", C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),

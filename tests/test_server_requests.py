@@ -235,3 +235,54 @@ def test_tokenize_needs_the_api_key(default_model):
             assert ok.status_code == 200, ok.text
     finally:
         s.stop()
+
+
+# ---- n and best_of --------------------------------------------------------------------------
+
+
+def _sampled(offline, prompt, seed, n, **kw):
+    params = SamplingParams(temperature=0.9, seed=seed, max_tokens=6, n=n, **kw)
+    return offline.generate(prompt, params)[0].outputs
+
+
+def test_n_samples_in_both_endpoints_match_the_offline_engine(server, client, offline):
+    got = _create(client, server, prompt=PROMPTS[0], n=3, temperature=0.9, seed=21)
+    want = _sampled(offline, PROMPTS[0], 21, 3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert got.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPTS[0]))  # the prompt counts once
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_want = offline.generate(offline.apply_chat_template(messages),
+                                 SamplingParams(temperature=0.9, seed=4, max_tokens=6, n=2))[0].outputs
+    chunks = client.chat.completions.create(model=server.model, messages=messages, n=2, temperature=0.9, seed=4,
+                                            max_tokens=6, stream=True)
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [w.text for w in chat_want]
+    assert server.wait_idle()["charioteer:kv_cache_usage_perc"] == 0
+
+
+def test_batched_prompts_with_n_are_indexed_prompt_major(server, client, offline):
+    got = _create(client, server, prompt=PROMPTS[:2], n=2, temperature=0.9, seed=8)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    want = [w.text for p in PROMPTS[:2] for w in _sampled(offline, p, 8, 2)]
+    assert [c.text for c in got.choices] == want
+
+
+def test_best_of_keeps_the_most_likely_sample(server, client, offline):
+    got = _create(client, server, prompt=PROMPTS[2], best_of=3, temperature=0.9, seed=5)
+    ranked = sorted(_sampled(offline, PROMPTS[2], 5, 3, logprobs=0), key=lambda c: -c.cumulative_logprob)
+    assert [c.text for c in got.choices] == [ranked[0].text]
+    assert got.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("body,param", [({"n": 0}, "n"), ({"n": 2, "best_of": 1}, "best_of"),
+                                        ({"best_of": 2, "stream": True}, "best_of"), ({"n": 65}, "n")])
+def test_bad_sample_counts_get_a_400(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

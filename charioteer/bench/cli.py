@@ -16,6 +16,7 @@ import sys
 from charioteer.bench.adaptive import add_adaptive_bench
 from charioteer.bench.paper_cli import add_paper_benches
 from charioteer.bench.partial_prefills import add_partial_prefills_bench
+from charioteer.bench.prefix_caching import add_prefix_caching_bench
 from charioteer.bench.peers import add_peers_bench
 from charioteer.bench.pipeline import add_pipeline_bench
 from charioteer.bench.serve import ENGINE_FLAGS
@@ -70,6 +71,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_adaptive_bench(sub)
     add_peers_bench(sub)
     add_partial_prefills_bench(sub)
+    add_prefix_caching_bench(sub)
     add_structured_bench(sub)
     return p
 

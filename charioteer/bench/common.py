@@ -46,6 +46,29 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
+    """The setup flags of a bench that runs whole engines: --model, --num-layers, --device, --dtype,
+    --threads, --json."""
+    g = p.add_argument_group("setup")
+    add_setting_args(g, ["model", "num_layers", "device", "dtype"])
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def load_engine_bench(args):
+    """Check the settings and --repeats, apply --threads and load --model (shared by every engine
+    the bench builds)."""
+    check_settings(args)
+    check_repeats(args.repeats)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from charioteer.model.loader import load_model
+
+    return load_model(args.model, num_layers=args.num_layers)
+
+
 def prepare_device(args) -> dict:
     """Check the settings, apply --threads, check --device, and return the device's roofline in --dtype (auto
     resolved for this device; printed on stderr)."""

@@ -14,11 +14,10 @@ import sys
 
 import numpy as np
 
-from charioteer.bench.common import check_repeats, emit, format_table, progress_bar
+from charioteer.bench.common import add_engine_bench_args, emit, format_table, load_engine_bench, progress_bar
 from charioteer.bench.stats import compare, interleaved, median, put, verdict
-from charioteer.config import EngineArgs, add_setting_args, check_settings, setting_kwargs
+from charioteer.config import EngineArgs, add_setting_args, setting_kwargs
 from charioteer.engine.llm_engine import LLMEngine
-from charioteer.model.loader import load_model
 from charioteer.request import SamplingParams
 
 RUNS = ("alone", "unfair", "fair")
@@ -101,13 +100,7 @@ def summarize(samples: dict[str, list[dict]]) -> dict:
 
 
 def cmd_bench_partial_prefills(args) -> int:
-    check_settings(args)
-    check_repeats(args.repeats)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, num_layers=args.num_layers)
+    loaded = load_engine_bench(args)
     engine_kwargs = {k: v for k, v in setting_kwargs(args).items()
                      if k not in ("max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold")}
     engine_kwargs["model"] = loaded.source
@@ -141,10 +134,7 @@ def add_partial_prefills_bench(bench_sub) -> None:
         description="One long prompt, then short ones: wall-clock TTFT of the short prompts alone, behind the "
                     "long one with one prefill at a time (unfair), and with partial prefills (fair); "
                     "interleaved repeats, median and spread.")
-    g = p.add_argument_group("setup")
-    add_setting_args(g, ["model", "num_layers", "device"])
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_engine_bench_args(p)
     p.add_argument("--long-len", type=int, default=3000, help="tokens of the long prompt (default: 3000)")
     p.add_argument("--short-len", type=int, default=40, help="tokens of each short prompt (default: 40)")
     p.add_argument("--num-short", type=int, default=8, help="short prompts (default: 8)")

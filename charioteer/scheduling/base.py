@@ -370,6 +370,7 @@ class Scheduler(ABC):
         """
         now = time.monotonic()
         finished = []
+        caching = self.blocks.prefix_cache is not None
         for entry in batch.entries:
             request = entry.request
             request.in_flight = False
@@ -377,7 +378,8 @@ class Scheduler(ABC):
                 self.blocks.free(request)
                 continue
             request.num_computed_tokens = entry.end
-            self.blocks.cache_computed(request)
+            if caching:
+                self.blocks.cache_computed(request)
             if entry.samples:
                 request.append_output_token(sampled[request.request_id], now, self.holds_stop_string)
                 self._release_forks(request)

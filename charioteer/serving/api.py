@@ -121,8 +121,10 @@ class Server:
         req = await self.read_request(request, protocol.CompletionRequest)
         protocol.check_completion(req)
         prompts = protocol.completion_prompts(req)
-        if len(prompts) > self.async_engine.max_outstanding:
-            raise protocol.bad_request(f"a batch of {len(prompts)} prompts is more than this server holds at once "
+        samples = len(prompts) * (req.best_of or req.n or 1)
+        if samples > self.async_engine.max_outstanding:
+            raise protocol.bad_request(f"a batch of {len(prompts)} prompts of {samples // len(prompts)} samples each "
+                                       f"is more than this server holds at once "
                                        f"({self.async_engine.max_outstanding}); send fewer", param="prompt")
         echo_only = bool(req.echo) and req.max_tokens == 0  # returns the prompt; 1 token is still run, as vLLM does
         max_tokens = 16 if req.max_tokens is None else (1 if echo_only else req.max_tokens)  # 16: OpenAI's default
@@ -132,9 +134,9 @@ class Server:
             params.prompt_logprobs = req.logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
         group = await self.submit_all(prompts, params, arrival, request_id, bool(req.echo))
-        reply = replies.CompletionReply(request_id, self.model_name, len(prompts), req.stream_options, req.logprobs,
-                                        [s.prompt_text or "" for s in group.streams] if req.echo else None,
-                                        echo_only)
+        reply = replies.CompletionReply(request_id, self.model_name, len(group.streams), req.stream_options,
+                                        req.logprobs, [s.prompt_text or "" for s in group.streams] if req.echo else None,
+                                        echo_only, samples=params.num_samples, keep=params.n)
         return await _respond(request, bool(req.stream), group, reply)
 
     async def chat_completions(self, request: Request):
@@ -146,9 +148,10 @@ class Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = protocol.sampling_params(req, max_tokens, logprobs)
         params.structured_outputs = await self.output_constraint(req)
-        stream = await self.submit(None, params, messages, max_tokens is None, arrival, "chatcmpl")
-        reply = replies.ChatReply(stream.request_id, self.model_name, req.stream_options, bool(req.logprobs))
-        return await _respond(request, bool(req.stream), StreamGroup([stream]), reply)
+        streams = await self.submit(None, params, messages, max_tokens is None, arrival, "chatcmpl")
+        reply = replies.ChatReply(streams[0].request_id, self.model_name, req.stream_options, bool(req.logprobs),
+                                  num_choices=len(streams))
+        return await _respond(request, bool(req.stream), StreamGroup(streams), reply)
 
     async def tokenize(self, request: Request):
         body = protocol.parse_json(await self.read_body(request))
@@ -215,24 +218,25 @@ class Server:
         """One request per prompt, queued together; if any is refused, the others are released and
         the first refusal (in prompt order) is raised."""
         if len(prompts) == 1:
-            return StreamGroup([await self.submit(prompts[0], params, None, False, arrival, request_id=request_id,
-                                                  echo=echo)])
+            return StreamGroup(await self.submit(prompts[0], params, None, False, arrival, request_id=request_id,
+                                                 echo=echo))
         results = await asyncio.gather(*(
             self.submit(p, copy.deepcopy(params), None, False, arrival, request_id=f"{request_id}-{i}", echo=echo)
             for i, p in enumerate(prompts)), return_exceptions=True)
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
             for r in results:
-                if isinstance(r, RequestStream):
-                    r.close()
+                if not isinstance(r, BaseException):
+                    for stream in r:
+                        stream.close()
             i, exc = failed[0]
             if isinstance(exc, APIError) and exc.status == 400:
                 raise protocol.bad_request(f"prompt {i}: {exc.message}", exc.param, exc.code) from None
             raise exc
-        return StreamGroup(list(results))
+        return StreamGroup([stream for streams in results for stream in streams])  # choice i * samples + j
 
     async def submit(self, prompt, params, messages, auto_max_tokens, arrival, prefix="cmpl", request_id=None,
-                     echo=False) -> RequestStream:
+                     echo=False) -> list[RequestStream]:
         self.check_alive()
         try:
             return await self.async_engine.submit(prompt, params, messages=messages, auto_max_tokens=auto_max_tokens,

@@ -102,7 +102,7 @@ class RequestStream:
 
 @dataclass
 class _Submission:
-    stream: RequestStream
+    streams: list[RequestStream]  # one per sample (n > 1: sample i's stream is the engine's `{i}_{id}`)
     prompt: str | list[int] | None
     messages: list[dict] | None
     params: SamplingParams
@@ -162,31 +162,38 @@ class AsyncEngine:
     async def submit(self, prompt: str | list[int] | None, params: SamplingParams, *,
                      messages: list[dict] | None = None, auto_max_tokens: bool = False,
                      arrival_time: float | None = None, prefix: str = "cmpl", request_id: str | None = None,
-                     echo: bool = False) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (raises ValueError if it refused).
+                     echo: bool = False) -> list[RequestStream]:
+        """Queue a request; returns one stream per sample (`params.num_samples`) once the engine
+        accepted it (raises ValueError if it refused).
 
         Raises QueueFull at once if too many requests are outstanding. `echo`: also give the
         prompt as text (`stream.prompt_text`).
         """
-        if self.num_outstanding >= self.max_outstanding:
+        count = params.num_samples
+        if self.num_outstanding + count > self.max_outstanding:
             self.metrics.rejected.inc()
-            raise QueueFull(f"{self.num_outstanding} requests outstanding, the limit is {self.max_outstanding}")
-        stream = RequestStream(request_id or f"{prefix}-{uuid.uuid4().hex}", self)
-        self.num_outstanding += 1
-        self._send(("add", _Submission(stream, prompt, messages, params, auto_max_tokens,
+            raise QueueFull(f"{self.num_outstanding} requests outstanding and this one has {count}, the limit is "
+                            f"{self.max_outstanding}")
+        request_id = request_id or f"{prefix}-{uuid.uuid4().hex}"
+        streams = [RequestStream(request_id if i == 0 else f"{i}_{request_id}", self) for i in range(count)]
+        self.num_outstanding += count
+        self._send(("add", _Submission(streams, prompt, messages, params, auto_max_tokens,
                                        arrival_time if arrival_time is not None else time.monotonic(), echo)))
         try:
-            item = await stream.queue.get()
+            items = [await stream.queue.get() for stream in streams]
         except BaseException:
-            stream.close()
+            for stream in streams:
+                stream.close()
             raise
-        if isinstance(item, BaseException):
-            stream.finished = True
-            stream.close()
-            raise item
-        stream.prompt_tokens = len(item.prompt_token_ids)
-        stream.prompt_text = item.prompt_text
-        return stream
+        for stream, item in zip(streams, items):
+            if isinstance(item, BaseException):
+                for other in streams:
+                    other.finished = True
+                    other.close()
+                raise item
+            stream.prompt_tokens = len(item.prompt_token_ids)
+            stream.prompt_text = item.prompt_text
+        return streams
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile an output constraint on a worker thread into the engine's grammar cache; raises
@@ -240,7 +247,8 @@ class AsyncEngine:
         while self._commands:
             kind, payload = self._commands.popleft()
             if kind == "add":
-                self._deliver(payload.stream, error)
+                for stream in payload.streams:
+                    self._deliver(stream, error)
             elif kind == "call":
                 self._settle(payload[1], error, True)
 
@@ -276,7 +284,8 @@ class AsyncEngine:
 
     def _add(self, sub: _Submission) -> None:
         engine = self.engine
-        stream = sub.stream
+        stream = sub.streams[0]
+        added: list[Request] = []  # samples queued before a failure, taken back
         try:
             if sub.messages is not None:
                 text = chat_prompt(engine, sub.messages)
@@ -293,17 +302,23 @@ class AsyncEngine:
                 sub.params.max_tokens = max(1, engine.max_model_len - len(ids))
             request = engine.make_request(ids, sub.params, request_id=stream.request_id, prompt_text=text,
                                           arrival_time=sub.arrival_time)
-            engine.add(request, stream=True)
-        except ValueError as exc:
-            self._deliver(stream, exc)
+            samples = engine.make_samples(request)
+            for sample in samples:
+                engine.add(sample, stream=True)
+                added.append(sample)
+        except Exception as exc:
+            for sample in added:
+                engine.abort(sample.request_id)
+            if not isinstance(exc, ValueError):  # e.g. a chat template that raises something else
+                log.exception("request %s could not be added", stream.request_id)
+                exc = ValueError(f"could not build the prompt: {exc}")
+            for one in sub.streams:
+                self._deliver(one, exc)
             return
-        except Exception as exc:  # e.g. a chat template that raises something else
-            log.exception("request %s could not be added", stream.request_id)
-            self._deliver(stream, ValueError(f"could not build the prompt: {exc}"))
-            return
-        self._live[stream.request_id] = _Live(request, stream)
+        for sample, one in zip(samples, sub.streams):
+            self._live[one.request_id] = _Live(sample, one)
+            self._deliver(one, Accepted(ids, echoed))
         self.metrics.prompt_tokens.inc(len(ids))
-        self._deliver(stream, Accepted(ids, echoed))
 
     def _step(self) -> None:
         try:

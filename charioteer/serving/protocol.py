@@ -18,6 +18,7 @@ from charioteer.request import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_SAMPLES = 64  # n and best_of at most (each sample is a request of its own in the queue)
 MIN_TEMPERATURE = 1e-5  # below this, sampling is numerically greedy: treat it as greedy
 
 
@@ -232,7 +233,8 @@ def _unsupported(condition: bool, param: str, what: str) -> None:
 
 
 def _check_common(req: _Common) -> None:
-    _unsupported(req.n not in (None, 1), "n", "n other than 1")
+    if req.n is not None and not 1 <= req.n <= MAX_SAMPLES:
+        raise bad_request(f"n must be an integer from 1 to {MAX_SAMPLES}, got {req.n}", param="n")
     _unsupported(req.frequency_penalty not in (None, 0), "frequency_penalty", "a non-zero penalty")
     _unsupported(req.presence_penalty not in (None, 0), "presence_penalty", "a non-zero penalty")
     _unsupported(bool(req.logit_bias), "logit_bias", "logit_bias")
@@ -283,6 +285,8 @@ def sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) 
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
             priority=req.priority or 0,
+            n=req.n or 1,
+            best_of=getattr(req, "best_of", None),
         )
     except ValueError as exc:
         message = str(exc)
@@ -309,7 +313,12 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def check_completion(req: CompletionRequest) -> None:
     _check_common(req)
     _unsupported(req.suffix is not None, "suffix", "suffix")
-    _unsupported(req.best_of not in (None, 1), "best_of", "best_of other than 1")
+    if req.best_of is not None and not (req.n or 1) <= req.best_of <= MAX_SAMPLES:
+        raise bad_request(f"best_of must be an integer from n ({req.n or 1}) to {MAX_SAMPLES}, got {req.best_of}",
+                          param="best_of")
+    if req.stream and (req.best_of or 1) > (req.n or 1):
+        raise bad_request("best_of larger than n needs every sample finished before it can choose: use "
+                          "stream=false, or set best_of equal to n", param="best_of")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be an integer >= 1 (0 only with echo=true, which returns the prompt)",
                           param="max_tokens")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API's response bodies: the whole answer, or the chunks of its stream.
 
-A reply has one choice per prompt (a batched completion has several). A stream sends nothing
+A reply has one choice per sample of each prompt (a batched completion has several prompts;
+`n` gives each several samples): choice i * n + j is prompt i's sample j. A stream sends nothing
 for a choice before its first generated token: chat's role chunk and an echoed prompt go out
 with it, so a client that times the first chunk times the first token (as vLLM does).
 """
@@ -12,10 +13,11 @@ from charioteer.serving.async_engine import Delta, TokenLogprob
 from charioteer.serving.protocol import StreamOptions
 
 
-def usage(lasts: list[Delta]) -> dict:
-    """Token counts over the choices, from each one's latest delta."""
-    prompt = sum(d.prompt_tokens for d in lasts)
-    completion = sum(d.completion_tokens for d in lasts)
+def usage(lasts: list[Delta | None], samples: int = 1) -> dict:
+    """Token counts over the choices, from each one's latest delta; a prompt counts once however
+    many samples (`samples` consecutive choices) it has."""
+    prompt = sum(d.prompt_tokens for d in lasts[::samples] if d is not None)
+    completion = sum(d.completion_tokens for d in lasts if d is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -48,7 +50,12 @@ class Reply:
     chunk_object: str
     usage_first = False  # whether `usage` precedes `choices` in a chunk (chat's order, kept as it was)
 
-    def __init__(self, request_id: str, model: str, num_choices: int, stream_options: StreamOptions | None) -> None:
+    def __init__(self, request_id: str, model: str, num_choices: int, stream_options: StreamOptions | None,
+                 samples: int = 1, keep: int | None = None) -> None:
+        """`samples`: streams per prompt (n, or best_of), consecutive; `keep`: choices per prompt in
+        the answer (n), the samples of highest cumulative logprob when fewer than `samples`."""
+        self.samples = samples
+        self.keep = keep or samples
         self.id = request_id
         self.created = int(time.time())
         self.model = model
@@ -68,9 +75,20 @@ class Reply:
         return []
 
     def answer(self, choices: list[list[Delta]]) -> dict:
+        lasts = [deltas[-1] for deltas in choices]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self.choice(i, deltas) for i, deltas in enumerate(choices)],
-                "usage": usage([deltas[-1] for deltas in choices])}
+                "choices": [self.choice(i, deltas) for i, deltas in enumerate(self._best(choices))],
+                "usage": usage(lasts, self.samples)}
+
+    def _best(self, choices: list[list[Delta]]) -> list[list[Delta]]:
+        """best_of: each prompt's `keep` samples of highest cumulative logprob, in that order."""
+        if self.keep == self.samples:
+            return choices
+        kept = []
+        for first in range(0, len(choices), self.samples):
+            group = choices[first:first + self.samples]
+            kept += sorted(group, key=lambda deltas: -sum(lp.logprob for lp in _logprobs_of(deltas)))[:self.keep]
+        return kept
 
     def chunks(self, index: int, delta: Delta) -> list[dict]:
         """The stream chunks for one delta of choice `index` (maybe none)."""
@@ -86,7 +104,7 @@ class Reply:
         """After every choice finished: the usage chunk, if asked for."""
         if not self.include_usage:
             return []
-        return [self._chunk([], usage([d for d in self.last if d is not None]))]
+        return [self._chunk([], usage(self.last, self.samples))]
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
@@ -103,10 +121,11 @@ class CompletionReply(Reply):
     object = chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, num_choices: int, stream_options: StreamOptions | None,
-                 logprobs: int | None, echo: list[str] | None = None, echo_only: bool = False) -> None:
-        """`echo`: each prompt's text, shown before its output; `echo_only`: the output is not shown
-        (echo with max_tokens=0)."""
-        super().__init__(request_id, model, num_choices, stream_options)
+                 logprobs: int | None, echo: list[str] | None = None, echo_only: bool = False,
+                 samples: int = 1, keep: int | None = None) -> None:
+        """`echo`: each stream's prompt text, shown before its output; `echo_only`: the output is not
+        shown (echo with max_tokens=0)."""
+        super().__init__(request_id, model, num_choices, stream_options, samples, keep)
         self.logprobs = logprobs
         self.echo = echo
         self.echo_only = echo_only
@@ -118,7 +137,7 @@ class CompletionReply(Reply):
         if self.echo_only:
             text, logprobs = "", []
         if self.echo is not None and first:
-            text = self.echo[index] + text
+            text = self.echo[index // self.keep * self.samples] + text  # the choice's prompt
             logprobs = list(deltas[0].prompt_logprobs or []) + logprobs
         return text, logprobs
 
@@ -145,8 +164,10 @@ class ChatReply(Reply):
     chunk_object = "chat.completion.chunk"
     usage_first = True
 
-    def __init__(self, request_id: str, model: str, stream_options: StreamOptions | None, logprobs: bool) -> None:
-        super().__init__(request_id, model, 1, stream_options)
+    def __init__(self, request_id: str, model: str, stream_options: StreamOptions | None, logprobs: bool,
+                 num_choices: int = 1) -> None:
+        """`num_choices`: the samples (n) of the one conversation."""
+        super().__init__(request_id, model, num_choices, stream_options, samples=num_choices)
         self.logprobs = logprobs
 
     def choice(self, index: int, deltas: list[Delta]) -> dict:
