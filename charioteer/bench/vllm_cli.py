@@ -18,7 +18,9 @@ def _alias(name: str) -> str:
 
 def main() -> int:
     version, distribution = metadata.version, metadata.distribution
-    metadata.version = lambda name: version(_alias(name))
+    # vLLM finds its CPU platform by the "cpu" in its version; this wheel's own fallback reads "<v>+cpu".
+    # Without it vLLM loads its AVX512-BF16 build, which dies with SIGILL on an AVX2-only CPU.
+    metadata.version = lambda name: version(_alias(name)) + ("+cpu" if _alias(name) != name else "")
     metadata.distribution = lambda name: distribution(_alias(name))
     from vllm.entrypoints.cli.main import main as vllm_main  # after the patch: vLLM's imports see it
 
