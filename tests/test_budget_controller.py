@@ -173,3 +173,38 @@ def test_metrics_show_the_budget_and_p99_tbt(tiny_model):
         assert values["charioteer:tbt_p99_seconds"] > 0
     finally:
         server.stop()
+
+
+# ---- bench budget-capacity ------------------------------------------------------------------
+
+
+def test_bench_budget_capacity_json(capsys):
+    """SLOs no probe can miss: every search doubles from 4 req/s to --max-rate 8, for every budget."""
+    import json
+
+    from charioteer.cli import main
+
+    rc = main(["bench", "budget-capacity", "--model", "synthetic:tiny", "--tbt-slo-ms", "1e6", "--ttft-slo-ms", "1e7",
+               "--budgets", "16,64", "--workloads", "24:3,8:3", "--duration", "0.25", "--min-requests", "2",
+               "--start-rate", "4", "--max-rate", "8", "--bisections", "0", "--repeats", "1", "--max-num-seqs", "4",
+               "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["workload"], r["budget"]) for r in out["rows"]] == [
+        (w, b) for w in ("24:3", "8:3") for b in ("16", "64", "adaptive")]
+    assert all(r["capacity_rps"] == 8 for r in out["rows"])
+    assert [[p["rate"] for p in r["searches"][0]["probes"]] for r in out["rows"]] == [[4, 8]] * 6
+    assert [c["adaptive_over_best"] for c in out["checks"]["per_workload"]] == [1.0, 1.0]
+    assert out["checks"]["fixed_within_5pct_everywhere"] == [16, 64]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "needs --tbt-slo-ms"),
+    (["--tbt-slo-ms", "-3"], "tbt_slo_ms must be a positive number"),
+    (["--tbt-slo-ms", "50", "--duration", "0"], "--duration must be > 0"),
+])
+def test_bench_budget_capacity_refuses_bad_flags(capsys, argv, message):
+    from charioteer.cli import main
+
+    assert main(["bench", "budget-capacity", "--model", "synthetic:tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
