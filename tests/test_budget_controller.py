@@ -122,11 +122,13 @@ def test_time_between_tokens_skips_preempted_requests():
 # ---- the engine ---------------------------------------------------------------------------
 
 
-def test_slo_budget_keeps_greedy_outputs_and_moves_the_chunk(tiny_model):
+@pytest.mark.parametrize("token_budget_mode", [False, True])
+def test_slo_budget_keeps_greedy_outputs_and_moves_the_chunk(tiny_model, token_budget_mode):
     prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(40 + 23 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fixed = LLM(tiny_model, chunk_size=32, max_num_seqs=4).generate(prompts, params)
-    llm = LLM(tiny_model, tbt_slo_ms=1000, min_chunk_size=8, max_chunk_size=64, max_num_seqs=4)
+    llm = LLM(tiny_model, tbt_slo_ms=1000, min_chunk_size=8, max_chunk_size=64, max_num_seqs=4,
+              token_budget_mode=token_budget_mode)
     budgets = []
     llm.engine.subscribe(lambda r: budgets.append(r.token_budget))
     steered = llm.generate(prompts, params)
@@ -165,6 +167,10 @@ def test_metrics_show_the_budget_and_p99_tbt(tiny_model):
     try:
         body = {"model": server.model, "prompt": list(range(1, 60)), "max_tokens": 8, "ignore_eos": True}
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        refused = httpx.post(server.url + "/v1/completions", json={**body, "tbt_slo_ms": -5}, timeout=60)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "tbt_slo_ms" and "charioteer serve --tbt-slo-ms" in error["message"]
         server.wait_idle()
         text = httpx.get(server.url + "/metrics", timeout=10).text
         values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
