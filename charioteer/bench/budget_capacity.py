@@ -105,7 +105,7 @@ def probe_slo(engine: LLMEngine, workload: Workload, rate: float, args, salt: in
 
 def find_capacity(probe, args) -> tuple[float, list[Probe]]:
     """The highest rate that held (0 if none did): double (or halve) from --start-rate, then bisect.
-    Gives up below --start-rate / 16 and stops doubling at --max-rate."""
+    Gives up below --start-rate / 4 (slow rates make long probes) and stops doubling at --max-rate."""
     probes: list[Probe] = []
 
     def held(rate: float) -> bool:
@@ -120,7 +120,7 @@ def find_capacity(probe, args) -> tuple[float, list[Probe]]:
         else:
             hi = rate
             rate /= 2
-        if rate < args.start_rate / 16 or rate > args.max_rate:
+        if rate < args.start_rate / 4 or rate > args.max_rate:
             break  # nothing holds, or --max-rate holds: the capacity is at least that
     for _ in range(args.bisections if lo is not None and hi is not None else 0):
         mid = (lo + hi) / 2
@@ -238,7 +238,7 @@ def add_budget_capacity_bench(bench_sub) -> None:
                    help="P:D pairs of prompt and output tokens (default: 480:32,96:96)")
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="p99 TTFT SLO (default: 2000)")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per probe (default: 8)")
-    p.add_argument("--min-requests", type=int, default=8, help="requests per probe at least (default: 8)")
+    p.add_argument("--min-requests", type=int, default=4, help="requests per probe at least (default: 4)")
     p.add_argument("--start-rate", type=float, default=1.0, help="first probe, req/s (default: 1)")
     p.add_argument("--max-rate", type=float, default=64.0, help="highest probe, req/s (default: 64)")
     p.add_argument("--bisections", type=int, default=2, help="bisection steps after bracketing (default: 2)")
