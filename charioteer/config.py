@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,8 +85,12 @@ class SchedulerConfig:
     chunk_size: int | str = setting(
         256, "SARATHI prompt chunk size C, or 'auto' to follow the P:D of recent requests",
         type=parse_chunk_size, metavar="C")
-    min_chunk_size: int = setting(16, "with --chunk-size auto: smallest C")
-    max_chunk_size: int = setting(512, "with --chunk-size auto: largest C")
+    min_chunk_size: int = setting(16, "with --chunk-size auto or --tbt-slo-ms: smallest C (token budget)")
+    max_chunk_size: int = setting(512, "with --chunk-size auto or --tbt-slo-ms: largest C (token budget)")
+    tbt_slo_ms: float | None = setting(
+        None, "sarathi: steer the token budget (the chunk size C; with --token-budget-mode, the batch's token "
+              "budget) online to the largest one that keeps p99 time between tokens under this many ms, "
+              "within --min-chunk-size..--max-chunk-size (default: off, a fixed C)", metavar="MS")
     tune_table: str | None = setting(
         None, "with --chunk-size auto: timing table from `charioteer tune --save-table` (default: none, the "
               "balanced C = (P/D)(B-1), tile-aligned with --tile-size)", metavar="FILE")
@@ -118,6 +123,7 @@ class SchedulerConfig:
         elif isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be an integer >= 1 or 'auto', got {self.chunk_size!r}")
         _check_min("max_num_seqs", self.max_num_seqs, optional=False)
+        self._check_tbt_slo()
         _check_min("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_min("tile_size", self.tile_size)
         if self.token_budget_mode and self.max_num_batched_tokens is None:
@@ -126,6 +132,21 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
+
+    def _check_tbt_slo(self) -> None:
+        slo = self.tbt_slo_ms
+        if slo is None:
+            return
+        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < math.inf:
+            raise ValueError(f"tbt_slo_ms must be a positive number of milliseconds, got {slo!r}")
+        if self.policy != "sarathi":
+            raise ValueError(f"tbt_slo_ms steers SARATHI's token budget (chunk size), and the {self.policy} "
+                             f"scheduler has none: use --scheduler sarathi or drop --tbt-slo-ms")
+        if self.chunk_size == "auto":
+            raise ValueError("tbt_slo_ms and chunk_size='auto' both choose the chunk size: give one of them")
+        if not 1 <= self.min_chunk_size <= self.max_chunk_size:
+            raise ValueError(f"need 1 <= min_chunk_size <= max_chunk_size, got {self.min_chunk_size}, "
+                             f"{self.max_chunk_size}")
 
     def _check_partial_prefills(self) -> None:
         _check_min("max_num_partial_prefills", self.max_num_partial_prefills, optional=False)

@@ -14,6 +14,7 @@ import os
 import sys
 
 from charioteer.bench.adaptive import add_adaptive_bench
+from charioteer.bench.budget_capacity import add_budget_capacity_bench
 from charioteer.bench.paper_cli import add_paper_benches
 from charioteer.bench.partial_prefills import add_partial_prefills_bench
 from charioteer.bench.prefix_caching import add_prefix_caching_bench
@@ -69,6 +70,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_pipeline_bench(sub)
     add_paper_benches(sub)
     add_adaptive_bench(sub)
+    add_budget_capacity_bench(sub)
     add_peers_bench(sub)
     add_partial_prefills_bench(sub)
     add_prefix_caching_bench(sub)

@@ -432,7 +432,7 @@ class ServerProcess:
 
 ENGINE_FLAGS = (  # (attribute, flag) forwarded to `charioteer serve`
     ("model", "--model"), ("num_layers", "--num-layers"), ("scheduler", "--scheduler"),
-    ("chunk_size", "--chunk-size"), ("max_num_seqs", "--max-num-seqs"),
+    ("chunk_size", "--chunk-size"), ("tbt_slo_ms", "--tbt-slo-ms"), ("max_num_seqs", "--max-num-seqs"),
     ("max_num_batched_tokens", "--max-num-batched-tokens"), ("tile_size", "--tile-size"),
     ("kv_policy", "--kv-policy"), ("kv_cache_memory_gb", "--kv-cache-memory-gb"),
     ("max_model_len", "--max-model-len"), ("device", "--device"), ("dtype", "--dtype"),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from charioteer.config import EngineArgs
+from charioteer.engine.budget_controller import TokenBudgetController
 from charioteer.engine.model_runner import ModelRunner
 from charioteer.engine.step_record import PipelineTiming, StageTiming, StepObserver, StepRecord, entry_records
 from charioteer.engine.structured_output import StructuredOutputCompiler
@@ -20,6 +21,8 @@ from charioteer.model.precision import dtype_name, resolve_dtype
 from charioteer.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
 from charioteer.scheduling import make_scheduler
 from charioteer.scheduling.base import Batch
+
+BUDGET_ALIGN = 16  # the steered budget's step without a --tile-size (the KV block and kernel granularity)
 
 
 class LLMEngine:
@@ -71,12 +74,28 @@ class LLMEngine:
 
             self.pipeline_metrics = PipelineMetrics(args.pipeline_parallel_size)
             self.subscribe(self.pipeline_metrics.observe)
+        self.budget_controller = self._budget_controller()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._streaming: dict[str, int] = {}  # request_id -> length of text already returned
         self._decoded: dict[str, tuple[int, str]] = {}  # request_id -> (output tokens, their text)
         self.num_steps = 0
         self._prefix_cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last step record
+
+    def _budget_controller(self) -> TokenBudgetController | None:
+        """With tbt_slo_ms: a controller that reads every step record and steers the scheduler's budget."""
+        config = self.scheduler.config
+        if config.tbt_slo_ms is None:
+            return None
+        # Token-budget mode counts decodes in the budget: never fewer than every running decode.
+        low = max(config.min_chunk_size, config.max_num_seqs) if config.token_budget_mode else config.min_chunk_size
+        controller = TokenBudgetController(config.tbt_slo_ms / 1e3, min(low, config.max_chunk_size),
+                                           config.max_chunk_size, includes_decodes=config.token_budget_mode,
+                                           align=config.tile_size or BUDGET_ALIGN)
+        scheduler = self.scheduler  # not self: the engine's observers must not hold the engine in a cycle
+        scheduler.set_token_budget(controller.budget)
+        self.subscribe(lambda record: scheduler.set_token_budget(controller.observe(record)))
+        return controller
 
     # ---- reporting ----------------------------------------------------------------------
 

@@ -38,14 +38,31 @@ class SarathiScheduler(Scheduler):
                           max_chunk=config.max_chunk_size, tile_size=config.tile_size)
             self.adaptive = (AdaptiveChunkSize.from_table_file(config.tune_table, **kwargs) if config.tune_table
                              else AdaptiveChunkSize(**kwargs))
+        self.steered_budget: int | None = None  # set between batches by a TBT-SLO controller (tbt_slo_ms)
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Steer the budget for the next batches: the chunk size C, or in token-budget mode the batch's
+        token budget (decodes included). A chunk boundary is exact wherever it falls: outputs stay the same."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"a token budget must be an integer >= 1, got {tokens!r}")
+        self.steered_budget = tokens
 
     @property
     def chunk_size(self) -> int:
+        if self.steered_budget is not None and not self.config.token_budget_mode:
+            return self.steered_budget
         return self.adaptive.chunk_size if self.adaptive else self.config.chunk_size
 
     @property
+    def batched_token_budget(self) -> int | None:
+        """The cap on a batch's tokens, decodes included (None: no cap)."""
+        if self.steered_budget is not None and self.config.token_budget_mode:
+            return self.steered_budget
+        return self.config.max_num_batched_tokens
+
+    @property
     def token_budget(self) -> int | None:
-        return self.config.max_num_batched_tokens if self.config.token_budget_mode else self.chunk_size
+        return self.batched_token_budget if self.config.token_budget_mode else self.chunk_size
 
     def on_batch_done(self, batch, sampled):
         finished = super().on_batch_done(batch, sampled)
@@ -63,7 +80,7 @@ class SarathiScheduler(Scheduler):
             aligned = (chunk + num_decodes) // tile * tile - num_decodes
             if aligned >= 1:
                 chunk = aligned
-        budget = self.config.max_num_batched_tokens
+        budget = self.batched_token_budget
         if budget is not None:
             chunk = min(chunk, budget - num_decodes)
         return chunk
@@ -96,7 +113,7 @@ class SarathiScheduler(Scheduler):
     def _schedule(self) -> Batch:
         batch = Batch()
         cap = self.config.max_num_seqs
-        budget = self.config.max_num_batched_tokens
+        budget = self.batched_token_budget
         if self.config.token_budget_mode:
             self._add_decodes(batch, min(cap, budget))
             self._add_prefills(batch, budget - batch.num_tokens, max_prompts=None)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from charioteer.engine.llm_engine import LLMEngine
+from charioteer.engine.tbt import TimeBetweenTokens
 from charioteer.request import Request, RequestOutput, SamplingParams, StructuredOutputsParams
 from charioteer.serving.dashboard import DashboardHub
 from charioteer.serving.metrics import ServerMetrics
@@ -137,6 +138,9 @@ class AsyncEngine:
         self.error: BaseException | None = None  # set if the engine thread itself died
         # Grammars compile here, off the engine thread (which then finds them in the engine's cache).
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="charioteer-grammar")
+        self._tbt = TimeBetweenTokens()  # engine thread only
+        if engine.scheduler.token_budget is not None:
+            metrics.token_budget.set(engine.scheduler.token_budget)
         engine.subscribe(self._observe_step)
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
@@ -412,6 +416,10 @@ class AsyncEngine:
         m.running.set(step.num_running)
         m.waiting.set(step.num_waiting)
         m.kv_usage.set(step.kv_blocks_used / step.kv_blocks_total)
+        if step.token_budget is not None:
+            m.token_budget.set(step.token_budget)
+        if self._tbt.observe(step):
+            m.tbt_p99.set(self._tbt.p99())
 
     def _update_gauges(self) -> None:
         """Between steps (an add or abort changed the queues): the gauges from the engine's state."""

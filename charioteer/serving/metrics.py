@@ -10,6 +10,10 @@ Per iteration, from the engine's step records (`AsyncEngine._observe_step`):
                                                (StepRecord.kind); vLLM has none
   charioteer:prefix_cache_queries_total        = vllm:prefix_cache_queries (prompt tokens looked up)
   charioteer:prefix_cache_hits_total           = vllm:prefix_cache_hits (of those, tokens found cached)
+  charioteer:token_budget                      the token budget (SARATHI's chunk size C) of the last step;
+                                               moves under --tbt-slo-ms; vLLM has none
+  charioteer:tbt_p99_seconds                   p99 time between tokens over the last 512 gaps, from the
+                                               step records (what --tbt-slo-ms holds); vLLM has none
 Each of the three new histograms observes every step once, so their counts equal the number of
 steps and their sums the tokens (or seconds) the steps ran.
 
@@ -64,6 +68,8 @@ class ServerMetrics:
         self.iteration_prefill_tokens = histogram(
             "iteration_prefill_tokens", "Prompt tokens (chunks and recomputes) per engine step; 0 if none.",
             ITERATION_PART_BUCKETS)
+        self.token_budget = gauge("token_budget", "Token budget (SARATHI's chunk size) of the last engine step.")
+        self.tbt_p99 = gauge("tbt_p99_seconds", "p99 time between tokens over the last 512 gaps.")
         self.iteration_decode_tokens = histogram(
             "iteration_decode_tokens", "Decode tokens per engine step; 0 if none.", ITERATION_PART_BUCKETS)
         duration = Histogram("charioteer:iteration_duration_seconds",

@@ -203,6 +203,13 @@ def parse_json(raw: bytes) -> dict:
     return obj
 
 
+# Fields a client may try per request that are settings of the whole server.
+SERVER_ONLY_FIELDS = {
+    "tbt_slo_ms": ": the time-between-tokens SLO steers the token budget that every request shares, so it is "
+                  "a server setting (`charioteer serve --tbt-slo-ms MS`), not a request field",
+}
+
+
 def validate_body(obj: dict, model_cls: type[_Strict]) -> _Strict:
     try:
         return model_cls.model_validate(obj)
@@ -210,7 +217,8 @@ def validate_body(obj: dict, model_cls: type[_Strict]) -> _Strict:
         err = exc.errors()[0]
         loc = ".".join(str(part) for part in err["loc"] if _is_field(part))
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"unknown field '{loc}'", param=loc, code="unknown_field") from None
+            hint = SERVER_ONLY_FIELDS.get(loc, "")
+            raise bad_request(f"unknown field '{loc}'{hint}", param=loc, code="unknown_field") from None
         if err["type"] == "missing":
             raise bad_request(f"missing required field '{loc}'", param=loc, code="missing_field") from None
         raise bad_request(f"invalid value for '{loc}': {err['msg']}", param=loc,
