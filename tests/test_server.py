@@ -338,18 +338,47 @@ PROMPTS = [
 ]
 
 
+# Prefix caching needs full blocks to share: the all-features soak puts this before every prompt.
+SYSTEM = ("You are a careful assistant. Answer briefly and plainly, in one sentence, and never repeat "
+          "the question. Continue the text: ")
+
+
+@pytest.fixture(scope="module")
+def server_all_features(default_model):
+    """The load test's server with the serving features on together: priorities, partial prefills,
+    prefix caching and a TBT SLO driving the token budget."""
+    s = LiveServer(default_model, ServerConfig(max_queue=256, max_body_bytes=128 * 1024),
+                   scheduler="sarathi", chunk_size=256, token_budget_mode=True, max_num_seqs=32,
+                   num_kv_blocks=48, block_size=16, scheduling_policy="priority", max_num_partial_prefills=4,
+                   long_prefill_token_threshold=64, enable_prefix_caching=True, tbt_slo_ms=2000)
+    yield s
+    s.stop()
+
+
 def test_load_200_streams_20_disconnect(server, offline):
+    _load_200_streams(server, offline, "", priorities=False)
+
+
+def test_load_with_every_serving_feature_on(server_all_features, offline):
+    m = _load_200_streams(server_all_features, offline, SYSTEM, priorities=True)
+    assert m["charioteer:prefix_cache_hits_total"] > 0
+
+
+def _load_200_streams(server, offline, system: str, priorities: bool) -> dict[str, float]:
     n_clients, n_drop = 200, 20
+    prompts = [system + p for p in PROMPTS]
     max_tokens = [8 + (i % 9) for i in range(len(PROMPTS))]
-    want = [o.text for o in offline.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=m)
+    want = [o.text for o in offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=m)
                                                       for m in max_tokens])]
     drop = set(random.Random(0).sample(range(n_clients), n_drop))
     before = server.metrics()
 
     async def one(http: httpx.AsyncClient, i: int):
         k = i % len(PROMPTS)
-        body = {"model": server.model, "prompt": PROMPTS[k], "max_tokens": max_tokens[k], "temperature": 0,
+        body = {"model": server.model, "prompt": prompts[k], "max_tokens": max_tokens[k], "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
+        if priorities:
+            body["priority"] = i % 3
         text, done, usage = [], False, None
         async with http.stream("POST", C, json=body) as r:
             assert r.status_code == 200, await r.aread()
@@ -380,7 +409,7 @@ def test_load_200_streams_20_disconnect(server, offline):
     completed = [r for r in results if r is not None]
     assert len(completed) == n_clients - n_drop
     for k, text, usage in completed:
-        assert text == want[k], (PROMPTS[k], text, want[k])
+        assert text == want[k], (prompts[k], text, want[k])
         assert usage["completion_tokens"] <= max_tokens[k]
     m = server.wait_idle(timeout=10)
     assert m["charioteer:kv_cache_usage_perc"] == 0
@@ -390,3 +419,4 @@ def test_load_200_streams_20_disconnect(server, offline):
     assert server.healthy()
     print(f"load: {n_clients} streams in {elapsed:.1f}s, "
           f"{m['charioteer:num_preemptions_total']:.0f} preemptions")
+    return m
