@@ -349,7 +349,7 @@ def server_all_features(default_model):
     prefix caching and a TBT SLO driving the token budget."""
     s = LiveServer(default_model, ServerConfig(max_queue=256, max_body_bytes=128 * 1024),
                    scheduler="sarathi", chunk_size=256, token_budget_mode=True, max_num_seqs=32,
-                   num_kv_blocks=48, block_size=16, scheduling_policy="priority", max_num_partial_prefills=4,
+                   num_kv_blocks=24, block_size=16, scheduling_policy="priority", max_num_partial_prefills=4,
                    long_prefill_token_threshold=64, enable_prefix_caching=True, tbt_slo_ms=2000)
     yield s
     s.stop()
