@@ -434,7 +434,7 @@ class LlamaModel:
         paths = select_paths(self.kernels, inp, kv, profiled=hooks is not None)
         cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
         x = ops.residual(x)
-        h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_norm_eps)
+        h = self._first_norm(x)
         if paths.decode_layers:  # the same kernels in the same order as the loop below: the same bits
             return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
                                           inp.decode_lengths)
@@ -455,6 +455,14 @@ class LlamaModel:
             else:
                 x = x + ffn
         return x
+
+    def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The first layer's input norm. In the batch-invariant mode it is add_norm's, as every later
+        layer's is: a pipeline stage starts at any layer, and its bits must not change with that."""
+        weight, eps = self.layers[0]["attn_norm"], self.config.rms_norm_eps
+        if self.kernels.invariant is None:
+            return rms_norm(x, weight, eps)
+        return self.kernels.ops.add_norm(x, torch.full_like(x, -0.0), weight, eps)[1]  # x + -0.0 is x, bit for bit
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
