@@ -73,7 +73,7 @@ def run_mixes(llm, target, others, params, mixes):
 MIXES = [((), ()), ((0,), (1, 2)), ((1, 3), (4,)), ((), (0, 1, 2, 3, 4)), ((4, 2, 0), ())]
 # (engine settings, mixes): five chunk sizes and every policy; max_num_seqs=3 varies the decode batch size.
 CONFIGS = [
-    (dict(scheduler="sarathi", chunk_size=5), MIXES),
+    (dict(scheduler="sarathi", chunk_size=5), MIXES[:3]),
     (dict(scheduler="sarathi", chunk_size=8, max_num_seqs=3), MIXES[1:3]),
     (dict(scheduler="sarathi", chunk_size=32, token_budget_mode=True, max_num_batched_tokens=19,
           max_num_partial_prefills=2), MIXES[1:4]),

@@ -224,7 +224,7 @@ class Kernels:
         if batch_invariant:
             if dtype != torch.float32 or quantized:
                 raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
-            native = invariant.choose_path(device, config.head_dim) == "native" and config.head_dim % 32 == 0
+            native = invariant.choose_path(device, config.head_dim) == "native"
             return cls(panel_gemm=native, packed_gemm=False, row_ops=native, decode_attention=native,
                        decode_layers=native, invariant="native" if native else "portable")
         native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
