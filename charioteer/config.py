@@ -65,6 +65,10 @@ class LoadConfig:
     quantization: str | None = setting(
         None, "int8: weight-only int8 linear layers, one scale per output channel (default: none)",
         choices=QUANTIZATIONS)
+    batch_invariant: bool = setting(
+        False, "bitwise batch-invariant outputs: a request's tokens and logprobs do not depend on the rest of its "
+               "batch, the chunk size, the policy or the pipeline stages (fixed-order kernels; float32 on the "
+               "CPU, no quantization)")
 
     def __post_init__(self) -> None:
         _check_min("num_layers", self.num_layers)
@@ -74,6 +78,17 @@ class LoadConfig:
         if self.quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}"
                              " or leave it unset")
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """The mode's kernels are fp32 CPU ones: refuse what they cannot run rather than run something else."""
+        wrong = [f"{name}={value!r} (use {want!r})" for name, value, want in (
+            ("dtype", self.dtype, "float32"), ("quantization", self.quantization, None), ("device", self.device, "cpu"))
+            if value != want]
+        if wrong:
+            raise ValueError(f"batch_invariant runs float32 CPU kernels only, without quantization: got "
+                             f"{', '.join(wrong)}")
 
 
 @dataclass

@@ -228,7 +228,7 @@ def run_vllm(job: dict) -> list[dict]:
 
 
 RUNNERS = {
-    "charioteer-sarathi": run_charioteer, "charioteer-orca": run_charioteer,
+    "charioteer-sarathi": run_charioteer, "charioteer-sarathi-invariant": run_charioteer, "charioteer-orca": run_charioteer,
     "hf-static": run_hf_static, "hf-cb": run_hf_cb, "llama.cpp": run_llama_cpp, "vllm-cpu": run_vllm,
 }
 

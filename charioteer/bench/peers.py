@@ -41,6 +41,9 @@ from charioteer.bench.roofline import mfu
 from charioteer.bench.stats import compare, median, put
 
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
+# Run only when --engines names it: SARATHI in the batch-invariant mode (LLM(batch_invariant=True)), whose
+# sarathi_speedup column is its throughput against the default mode's.
+OPTIONAL_ENGINES = ("charioteer-sarathi-invariant",)
 WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = ("float32", "bfloat16")  # --dtypes: each engine but llama.cpp runs once per dtype
@@ -80,7 +83,8 @@ def _chat_args(token_budget: int | None) -> dict[str, dict]:
     sarathi = dict(scheduler="sarathi", chunk_size=DEFAULT_CHUNK, max_num_seqs=BATCH_SIZE)
     if token_budget is not None:
         sarathi.update(token_budget_mode=True, max_num_batched_tokens=token_budget)
-    return {"charioteer-sarathi": sarathi, "charioteer-orca": dict(scheduler="orca", max_num_seqs=BATCH_SIZE)}
+    return {"charioteer-sarathi": sarathi, "charioteer-sarathi-invariant": dict(sarathi, batch_invariant=True),
+            "charioteer-orca": dict(scheduler="orca", max_num_seqs=BATCH_SIZE)}
 
 
 def workload_a(tokenizer, token_budget: int | None = None) -> PeerWorkload:
@@ -308,7 +312,8 @@ def add_peers_bench(bench_sub) -> None:
                     "(--vllm-python).")
     p.add_argument("--quick", action="store_true", help="16 requests in B and C instead of 64")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of A,B,C (default: all)")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES + OPTIONAL_ENGINES)} (default: all but "
+                        f"{','.join(OPTIONAL_ENGINES)})")
     p.add_argument("--vllm-python", default=os.environ.get("CHARIOTEER_VLLM_PYTHON"),
                    help="python of a venv with vllm-cpu installed (default: $CHARIOTEER_VLLM_PYTHON, "
                         "else vllm in this environment, else skipped)")
@@ -346,7 +351,7 @@ def cmd_bench_peers(args) -> int:
     from charioteer.bench.roofline import describe, roofline
 
     workloads = _choices(args.workloads, WORKLOADS, "--workloads")
-    engines = _choices(args.engines, ENGINES, "--engines")
+    engines = _choices(args.engines, ENGINES + OPTIONAL_ENGINES, "--engines")
     dtypes = tuple(_choices(args.dtypes, DTYPES, "--dtypes"))
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from charioteer.model import cpu_kernels
+from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
 from charioteer.model.precision import QUANTIZATIONS, quantize_int8
 from charioteer.runtime import tune_allocator
@@ -104,17 +104,24 @@ class Linear:
     """y = x @ weight.T: the panel kernel up to 32 rows, MKL's packed GEMM up to 64, else F.linear.
 
     Each path is used only where it is available (see cpu_kernels and packed_gemm_available).
+    `invariant`: a row's bits must not depend on the other rows (charioteer.model.invariant): the
+    panel kernel for any number of rows, or without it one GEMM per row.
     """
 
-    __slots__ = ("weight", "packed", "panels")
+    __slots__ = ("weight", "packed", "panels", "invariant")
 
-    def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False, invariant: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
         self.panels = cpu_kernels.pack(weight) if panels else None
+        self.invariant = invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.invariant:
+            if self.panels is not None:
+                return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
+            return invariant.rowwise_linear(x, self.weight)
         if self.panels is not None and 0 < rows <= cpu_kernels.MAX_ROWS:
             return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
@@ -198,6 +205,7 @@ class Kernels:
     row_ops: bool  # NativeRowOps instead of TorchRowOps
     decode_attention: bool  # cpu_kernels.decode_attention for a batch's decodes
     decode_layers: bool  # a decode-only batch's every layer in one C++ call of the kernels above
+    invariant: str | None = None  # batch-invariant mode's path ("native" or "portable"), else None
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -205,11 +213,20 @@ class Kernels:
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
-               quantized: bool = False) -> Kernels:
+               quantized: bool = False, batch_invariant: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
         GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them are fp32 only, and the
-        GEMMs take no int8 weights (Int8Linear's own kernel does)."""
+        GEMMs take no int8 weights (Int8Linear's own kernel does).
+
+        `batch_invariant` (fp32, no quantization): every kernel but MKL's on the native path, none
+        on the portable one (charioteer.model.invariant.choose_path)."""
+        if batch_invariant:
+            if dtype != torch.float32 or quantized:
+                raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
+            native = invariant.choose_path(device, config.head_dim) == "native"
+            return cls(panel_gemm=native, packed_gemm=False, row_ops=native, decode_attention=native,
+                       decode_layers=native, invariant="native" if native else "portable")
         native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
         row_ops = native and config.head_dim % 32 == 0
         decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
@@ -325,11 +342,12 @@ def _unprofiled(_name: str, fn):
 class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  layer_range: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, batch_invariant: bool = False) -> None:
         """`layer_range` = (start, end): hold only layers [start, end), as a pipeline stage does.
 
         The first stage holds the embedding, the last the final norm and LM head; the default is
         the whole model. `dtype` and `quantization`: see charioteer.model.precision.
+        `batch_invariant`: each row's logits bitwise independent of its batch (charioteer.model.invariant).
         """
         if quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -345,7 +363,7 @@ class LlamaModel:
         self.layer_range = (start, end)
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self._load_weights(state_dict)
-        self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None)
+        self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None, batch_invariant)
         self._prepare_kernels()
         self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, dtype)
 
@@ -370,13 +388,14 @@ class LlamaModel:
         def linear(weight: torch.Tensor) -> Linear | Int8Linear:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.dtype)
-            return Linear(weight, k.packed_gemm, k.panel_gemm)
+            return Linear(weight, k.packed_gemm, k.panel_gemm, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format).
         self.linears = [{name: linear(layer.pop(name)) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         # The LM head shares the embedding's tensor when tied, so it stays in dtype.
-        self.lm_head_linear = Linear(self.lm_head, k.packed_gemm, k.panel_gemm) if self.lm_head is not None else None
+        self.lm_head_linear = (Linear(self.lm_head, k.packed_gemm, k.panel_gemm, k.invariant is not None)
+                               if self.lm_head is not None else None)
         self.decode_layers = None
         if k.decode_layers:
             self.decode_layers = cpu_kernels.decode_layers(
@@ -415,18 +434,20 @@ class LlamaModel:
         paths = select_paths(self.kernels, inp, kv, profiled=hooks is not None)
         cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
         x = ops.residual(x)
-        h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_norm_eps)
+        h = self._first_norm(x)
         if paths.decode_layers:  # the same kernels in the same order as the loop below: the same bits
             return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
                                           inp.decode_lengths)
         run, k_end = hooks or _unprofiled, c.q_size + c.kv_size
+        contexts = self._query_contexts(inp, kv) if self.kernels.invariant else None
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
             qkv = run("preproj", lambda: linear["qkv"](h))
             # Q and K heads sit side by side in the fused projection: rotate them in one pass.
             qk = ops.rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
-            attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp, paths.decode_attention))
+            attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp, paths.decode_attention,
+                                                             contexts))
             x, h = ops.add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"], c.rms_norm_eps)
             ffn = run("ffn", lambda: linear["down"](ops.silu_mul(linear["gate_up"](h))))
             if index + 1 < len(self.layers):  # the next layer's input norm, fused with the residual add
@@ -434,6 +455,14 @@ class LlamaModel:
             else:
                 x = x + ffn
         return x
+
+    def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The first layer's input norm. In the batch-invariant mode it is add_norm's, as every later
+        layer's is: a pipeline stage starts at any layer, and its bits must not change with that."""
+        weight, eps = self.layers[0]["attn_norm"], self.config.rms_norm_eps
+        if self.kernels.invariant is None:
+            return rms_norm(x, weight, eps)
+        return self.kernels.ops.add_norm(x, torch.full_like(x, -0.0), weight, eps)[1]  # x + -0.0 is x, bit for bit
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
@@ -456,11 +485,25 @@ class LlamaModel:
             self._gather_buffers[which] = buf
         return torch.index_select(cache, 0, slots, out=buf[:n])
 
-    def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput, decode_path: str | None) -> torch.Tensor:
-        """Store the batch's K/V, then attend: each prefill chunk, then the decodes along `decode_path`."""
+    def _query_contexts(self, inp: ForwardInput, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch-invariant mode's attention plan: every query row's context slots and length."""
+        lengths = inp.decode_lengths
+        if inp.num_decodes and lengths is None:
+            lengths = inp.decode_mask.view(inp.num_decodes, -1).sum(-1)
+        return invariant.query_contexts(inp.prefills, inp.slot_mapping, inp.decode_slots, lengths, inp.num_decodes,
+                                        kv.pad_slot)
+
+    def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput, decode_path: str | None,
+                   contexts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Store the batch's K/V, then attend: each prefill chunk, then the decodes along `decode_path`;
+        with `contexts` (the batch-invariant mode), every query on its own against its context."""
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         self.kernels.ops.store_kv(k_cache, v_cache, inp.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if contexts is not None:
+            invariant.attend_each_query(q, k_cache, v_cache, *contexts, self.config.head_dim ** -0.5,
+                                        self.kernels.invariant == "native", out)
+            return out.view(q.shape[0], self.config.q_size)
         for span in inp.prefills:
             self._prefill_attention(span, q, k, v, k_cache, v_cache, out)
         if decode_path is not None:

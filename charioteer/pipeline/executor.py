@@ -109,10 +109,12 @@ def _cleanup(procs: list, pool: ThreadPoolExecutor, link: dict) -> None:
 class PipelineExecutor:
     def __init__(self, loaded, num_stages: int, num_slots: int, device: str = "cpu",
                  model_spec: tuple[str | None, int | None, int] = (None, None, 0),
-                 dtype: torch.dtype = torch.float32, quantization: str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, quantization: str | None = None,
+                 batch_invariant: bool = False) -> None:
         """`loaded`: the driver's LoadedModel (its weights are shared with spawned stages).
         `model_spec` = (model, num_layers, seed): what stages started by hand load themselves.
-        `dtype`, `quantization`: every stage's number formats (charioteer.model.precision)."""
+        `dtype`, `quantization`: every stage's number formats (charioteer.model.precision);
+        `batch_invariant`: every stage runs the batch-invariant kernels (charioteer.model.invariant)."""
         config = loaded.config
         self.num_stages = num_stages
         self.layer_ranges = split_layers(config.num_layers, num_stages)
@@ -127,7 +129,8 @@ class PipelineExecutor:
         world_size = num_stages + 1
         cuda = torch.device(device).type == "cuda"
         base = dict(config=config, num_slots=num_slots, device=device, model=model_spec[0],
-                    num_layers=model_spec[1], seed=model_spec[2], dtype=dtype, quantization=quantization)
+                    num_layers=model_spec[1], seed=model_spec[2], dtype=dtype, quantization=quantization,
+                    batch_invariant=batch_invariant)
         self.env_mode = use_env_rendezvous()
         try:
             if self.env_mode:

@@ -73,7 +73,7 @@ class Stage:
 
             state_dict = load_model(init["model"], num_layers=init["num_layers"], seed=init["seed"]).state_dict
         self.model = LlamaModel(config, state_dict, self.device, layer_range=(start, end), dtype=init["dtype"],
-                                quantization=init["quantization"])
+                                quantization=init["quantization"], batch_invariant=init.get("batch_invariant", False))
         del state_dict
         self.kv = KVCache(config, init["num_slots"], self.device, dtype=init["dtype"], num_layers=end - start)
         self.hidden_size = config.hidden_size
