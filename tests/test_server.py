@@ -196,6 +196,8 @@ BAD = [
     ("missing prompt", C, {"max_tokens": 5}, 400, "prompt"),
     ("n=0", C, {"prompt": "Hi", "n": 0}, 400, "n"),
     ("suffix", C, {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
+    ("repetition penalty", C, {"prompt": "Hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("min_p", CH, {"messages": MSG, "min_p": 0.1}, 400, "min_p"),
     ("tools", CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("max_tokens 0", C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative chat", CH, {"messages": MSG, "max_tokens": -3}, 400, "max_tokens"),

@@ -286,3 +286,15 @@ def test_bad_sample_counts_get_a_400(server, body, param):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_vllm_bench_serve_body_is_taken(server):
+    """The body `vllm bench serve --backend openai` (vLLM 0.32) sends: neutral vLLM sampling extensions."""
+    body = {"model": server.model, "prompt": PROMPTS[0], "repetition_penalty": 1.0, "max_tokens": 3,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0.0, "min_p": 0.0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 3

@@ -102,6 +102,8 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: int | None = None
+    min_p: float | None = None  # taken at its neutral 0 only
+    repetition_penalty: float | None = None  # taken at its neutral 1 only (vllm bench serve sends 1.0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None  # lower first; needs --scheduling-policy priority
@@ -246,6 +248,8 @@ def _check_common(req: _Common) -> None:
     _unsupported(req.frequency_penalty not in (None, 0), "frequency_penalty", "a non-zero penalty")
     _unsupported(req.presence_penalty not in (None, 0), "presence_penalty", "a non-zero penalty")
     _unsupported(bool(req.logit_bias), "logit_bias", "logit_bias")
+    _unsupported(req.repetition_penalty not in (None, 1), "repetition_penalty", "a repetition penalty other than 1")
+    _unsupported(req.min_p not in (None, 0), "min_p", "min_p other than 0")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats \
