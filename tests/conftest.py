@@ -33,3 +33,18 @@ def _free_engines_left_behind():
 
     if psutil.Process().memory_info().rss > 4 << 30:
         gc.collect()
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS. The engine keeps freed memory in the heap on
+    purpose (charioteer/runtime.py: no trimming, 1 GiB mmap threshold, so each step reuses its
+    activations), which also keeps every dropped test engine's KV cache and packed weights
+    resident; the suite then grows towards the machine's 24 GiB."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
