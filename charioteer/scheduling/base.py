@@ -382,7 +382,8 @@ class Scheduler(ABC):
                 self.blocks.cache_computed(request)
             if entry.samples:
                 request.append_output_token(sampled[request.request_id], now, self.holds_stop_string)
-                self._release_forks(request)
+                if self._forks:  # n > 1 samples wait for this one's first token (the simulator never has any)
+                    self._release_forks(request)
                 if request.finish_reason is not None:
                     self.finish(request, request.finish_reason)
                     finished.append(request)
