@@ -139,11 +139,15 @@ def test_portable_path_same_bits(short_model, prompts, monkeypatch):
 
 
 def test_default_mode_is_not_batch_invariant(short_model, prompts):
-    """README: the default mode does not promise equal bits, and here its logprobs differ between mixes: a
-    decode riding with a 40-token chunk runs MKL's GEMM (over 32 rows), alone the panel kernel."""
-    llm = LLM(short_model, chunk_size=64, max_num_seqs=8)
-    alone, *mixed = run_mixes(llm, *prompts, GREEDY, [((), ()), ((0,), (1, 2)), ((), (0, 1, 2, 3, 4))])
-    assert any(not torch.equal(alone[1][1], m[1][1]) or not torch.equal(alone[2][1], m[2][1]) for m in mixed)
+    """README: the default mode does not promise equal bits, and here its logprobs differ between mixes: alone,
+    the target runs the panel kernel; beside a long prompt's chunk, its rows are in a batch of more rows than
+    the panel kernel takes (cpu_kernels.max_rows()), which runs MKL's GEMM."""
+    target, _ = prompts
+    long_len = cpu_kernels.max_rows() + 40
+    llm = LLM(short_model, chunk_size=long_len + 8, max_num_seqs=8)
+    long = prompt_ids(short_model.tokenizer, long_len, 77)
+    alone, mixed = run_mixes(llm, target, [long], GREEDY, [((), ()), ((), (0,))])
+    assert not torch.equal(alone[1][1], mixed[1][1]) or not torch.equal(alone[2][1], mixed[2][1])
 
 
 def test_settings_are_refused_clearly():

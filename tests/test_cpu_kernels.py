@@ -68,12 +68,12 @@ def test_bad_shapes_are_refused(isa):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 def test_linear_routes_by_rows():
-    """Up to cpu_kernels.MAX_ROWS rows run on the chosen build's panel kernel; more go to MKL's kernels."""
+    """Up to cpu_kernels.max_rows() rows run on the chosen build's panel kernel; more go to MKL's kernels."""
     w = torch.randn(96, 128)
     lin = Linear(w, pack=False, panels=True)
-    small = torch.randn(cpu_kernels.MAX_ROWS, 128)
+    small = torch.randn(cpu_kernels.max_rows(), 128)
     assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96))
-    large = torch.randn(cpu_kernels.MAX_ROWS + 1, 128)
+    large = torch.randn(cpu_kernels.max_rows() + 1, 128)
     assert torch.equal(lin(large), torch.nn.functional.linear(large, w))
 
 

@@ -215,11 +215,14 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
 
     from charioteer.model import cpu_kernels
 
-    rows = matmul_sweep("cpu", rows=(1, 8, cpu_kernels.MAX_ROWS + 1), shape=(64, 32), repeats=1)
-    assert [r["rows"] for r in rows] == [1, 8, cpu_kernels.MAX_ROWS + 1] and all(r["linear_gflops"] >= 0 for r in rows)
+    rows = matmul_sweep("cpu", rows=(1, 8, cpu_kernels.max_rows() + 1), shape=(64, 32), repeats=1)
+    assert [r["rows"] for r in rows] == [1, 8, cpu_kernels.max_rows() + 1] and all(r["linear_gflops"] >= 0 for r in rows)
     assert all("packed_gflops" in r for r in rows) == packed_gemm_available(__import__("torch").device("cpu"))
-    # the panel kernel is timed only where the engine uses it
-    assert ["panel_gflops" in r for r in rows] == [cpu_kernels.available()] * 2 + [False]
+    assert all(("panel_gflops" in r) == cpu_kernels.available() for r in rows)
+    # the engine's GEMM: the panel kernel up to its rows, then MKL's
+    panel = [r["engine_gemm"] == "panel" for r in rows]
+    assert panel == [cpu_kernels.available()] * 2 + [False]
+    assert all(r["engine_gemm"] in ("panel", "packed", "plain") for r in rows)
 
 
 def test_decode_gemm_stream_times_each_backend_on_the_same_weights():

@@ -139,7 +139,8 @@ def cmd_roofline(args) -> int:
         extra["matmul_sweep"] = matmul_sweep(args.device)
         rates += [v for row in extra["matmul_sweep"] for k, v in row.items() if k.endswith("_gflops")]
         sections.append("fp32 GFLOP/s of a 22016 x 4096 weight (LLaMA-7B gate/up) by batch rows:\n"
-                        + format_table(extra["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops", "panel_gflops"]))
+                        + format_table(extra["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops", "panel_gflops",
+                                                                     "engine_gemm"]))
     if args.decode_stream:
         if args.rows < 1:
             raise ValueError(f"--rows must be at least 1, got {args.rows}")

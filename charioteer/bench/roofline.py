@@ -262,7 +262,7 @@ def mfu(roof: dict | None, work: Sequence[tuple[float, float]]) -> list[float | 
 def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
                  shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
     """GFLOP/s of y = x @ W.T by batch rows, for plain F.linear and, on CPU, MKL's packed GEMM and
-    the CPU kernels' panel GEMM (the latter up to the rows the engine gives it)."""
+    the CPU kernels' panel GEMM, and which of them the engine's `Linear` runs at that row count."""
     import torch.nn.functional as F
 
     from charioteer.model import cpu_kernels
@@ -282,9 +282,11 @@ def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71,
         if packed is not None:
             t = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m), device, repeats)
             row["packed_gflops"] = round(flops / t / 1e9, 1)
-        if panels is not None and m <= cpu_kernels.MAX_ROWS:
+        if panels is not None:
             t = _best_time(lambda: cpu_kernels.linear(x, panels, n), device, repeats)
             row["panel_gflops"] = round(flops / t / 1e9, 1)
+        row["engine_gemm"] = ("panel" if panels is not None and m <= cpu_kernels.max_rows()
+                              else "packed" if packed is not None and m <= PACKED_GEMM_MAX_ROWS else "plain")
         out.append(row)
     return out
 
@@ -296,8 +298,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
 
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
-    packed GEMM (the engine's path for 33-64 rows), the panel kernel (its path up to 32 rows,
-    charioteer.model.cpu_kernels) and oneDNN's packed linear where torch has them.
+    packed GEMM (the engine's path above the panel kernel's rows, up to 64), the panel kernel (its path
+    up to cpu_kernels.max_rows() rows) and oneDNN's packed linear where torch has them.
     Reports the layers' time, the weight bytes read per second and GFLOP/s, and the LM head's
     time and GB/s on its own ([vocab, hidden], as tied to the embedding).
     """

@@ -4,7 +4,7 @@ A decode step reads every weight once for a handful of rows, and every request's
 once for one query token; both are bound by memory streams, and both pay for the way MKL and
 SDPA run such small shapes.
 
-- `linear`: y = x @ w.T for up to 32 rows. The weight is repacked once into panels of output
+- `linear`: y = x @ w.T for up to `max_rows()` rows (32 on AVX-512, 128 on AVX2). The weight is repacked once into panels of output
   columns (32 for AVX-512, 24 for AVX2), one contiguous stream each, prefetched into L2. At 16
   rows, on AVX-512, it reads SmolLM2's layer weights at about 19 GB/s against MKL's packed GEMM's
   15, and the LM head 1.5x faster (`charioteer bench roofline --decode-stream`). Each output is
@@ -37,7 +37,11 @@ import torch
 from charioteer.model.precision import cpu_flags
 
 ISAS = ("avx512", "avx2")  # best first: CHARIOTEER_CPU_KERNELS=auto takes the first this CPU runs
-MAX_ROWS = 32  # above this MKL is as fast or faster (bench roofline --decode-stream --rows N)
+# Rows up to which `linear` beats MKL's GEMMs, per build, at 2 threads (`charioteer bench roofline
+# --sweep`). AVX-512 (Xeon): 32. AVX2 (Zen 3): 1.35-2.4x faster than MKL's packed or plain sgemm
+# from 16 to 128 rows on a LLaMA-7B layer's four GEMMs, and no slower at 128 on SmolLM2's; from
+# 256 rows plain sgemm is as fast, and at 512 faster.
+PANEL_MAX_ROWS = {"avx512": 32, "avx2": 128}
 HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 
 _KERNELS = Path(__file__).parent / "kernels"
@@ -156,6 +160,12 @@ def available() -> bool:
 def status() -> str:
     """One line for setup: which kernels are ready, or why none."""
     return f"{chosen_isa()} ready" if available() else f"none ({unavailable_reason()})"
+
+
+def max_rows(isa: str | None = None) -> int:
+    """Rows up to which the model runs `linear` (of `isa`'s build, or the chosen one's); 0 without one."""
+    isa = isa or chosen_isa()
+    return PANEL_MAX_ROWS[isa] if isa else 0
 
 
 def _kernels(isa: str | None):

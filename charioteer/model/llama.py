@@ -101,19 +101,21 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 
 
 class Linear:
-    """y = x @ weight.T: the panel kernel up to 32 rows, MKL's packed GEMM up to 64, else F.linear.
+    """y = x @ weight.T: the panel kernel up to cpu_kernels.max_rows() rows (32 on AVX-512, 128 on
+    AVX2), MKL's packed GEMM up to 64, else F.linear.
 
     Each path is used only where it is available (see cpu_kernels and packed_gemm_available).
     `invariant`: a row's bits must not depend on the other rows (charioteer.model.invariant): the
     panel kernel for any number of rows, or without it one GEMM per row.
     """
 
-    __slots__ = ("weight", "packed", "panels", "invariant")
+    __slots__ = ("weight", "packed", "panels", "panel_rows", "invariant")
 
     def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False, invariant: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
         self.panels = cpu_kernels.pack(weight) if panels else None
+        self.panel_rows = cpu_kernels.max_rows() if panels else 0
         self.invariant = invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ class Linear:
             if self.panels is not None:
                 return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
             return invariant.rowwise_linear(x, self.weight)
-        if self.panels is not None and 0 < rows <= cpu_kernels.MAX_ROWS:
+        if 0 < rows <= self.panel_rows:
             return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
@@ -200,7 +202,7 @@ class NativeRowOps:
 class Kernels:
     """The optional kernels one model runs, fixed at its construction by `choose`."""
 
-    panel_gemm: bool  # Linear: the panel GEMM for 1 to cpu_kernels.MAX_ROWS rows
+    panel_gemm: bool  # Linear: the panel GEMM for 1 to cpu_kernels.max_rows() rows
     packed_gemm: bool  # Linear: MKL's packed sgemm for 1 to PACKED_GEMM_MAX_ROWS rows
     row_ops: bool  # NativeRowOps instead of TorchRowOps
     decode_attention: bool  # cpu_kernels.decode_attention for a batch's decodes
@@ -251,7 +253,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
 
     path                        taken when
     --------------------------  -----------------------------------------------------------------
-    decode_layers               kernels.decode_layers, a decode-only batch of 1 to cpu_kernels.MAX_ROWS
+    decode_layers               kernels.decode_layers, a decode-only batch of 1 to cpu_kernels.max_rows()
                                 rows with decode_lengths, not profiled (hooks time the loop's ops)
     decode_attention "kernel"   kernels.decode_attention and decode_lengths given
     decode_attention "in_place" else, each decode's context is one run of slots and reading it in
@@ -264,7 +266,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
     """
     has_lengths = inp.decode_lengths is not None
     decode_layers = (kernels.decode_layers and not profiled and not inp.prefills and has_lengths
-                     and 0 < inp.num_decodes <= cpu_kernels.MAX_ROWS)
+                     and 0 < inp.num_decodes <= cpu_kernels.max_rows())
     if not inp.num_decodes:
         decode_attention = None
     elif kernels.decode_attention and has_lengths:
