@@ -203,21 +203,32 @@ class CacheConfig:
     num_blocks: int | None = setting(
         None, "KV blocks (default: as many as --kv-cache-memory-gb holds)", name="num_kv_blocks")
     kv_cache_memory_gb: float = setting(2.0, "memory for the KV cache, GiB")
-    enable_prefix_caching: bool = setting(
-        False, "reuse the KV blocks of a prompt's longest cached prefix (full blocks, hashed by their "
-               "tokens) and prefill only the rest; unused cached blocks are evicted least recently used")
+    # None: on wherever it can be, as in vLLM; the reserve policy takes each request's whole length
+    # at admission and has nothing to share, so there it is off unless asked for (then refused).
+    enable_prefix_caching: bool | None = setting(
+        None, "reuse the KV blocks of a prompt's longest cached prefix (full blocks, hashed by their "
+              "tokens) and prefill only the rest; unused cached blocks are evicted least recently used "
+              "(default: on with --kv-policy paged, off with reserve)")
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"unknown kv_policy {self.kv_policy!r}: choose one of {', '.join(KV_POLICIES)}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true, false or None (the default: on where the KV "
+                             f"policy allows it), got {self.enable_prefix_caching!r}")
         if self.enable_prefix_caching and self.kv_policy == "reserve":
             raise ValueError(PREFIX_CACHING_WITH_RESERVE)
         _check_min("block_size", self.block_size, optional=False)
         _check_min("num_kv_blocks", self.num_blocks)
         if not self.memory_bytes >= 1:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on: as set, or by default wherever the KV policy allows it."""
+        if self.enable_prefix_caching is None:
+            return self.kv_policy != "reserve"
+        return self.enable_prefix_caching
 
     @property
     def memory_bytes(self) -> int:
@@ -347,11 +358,13 @@ def flag_kwargs(f: dataclasses.Field) -> dict[str, Any]:
     """argparse keyword arguments declared by a setting field."""
     meta = f.metadata
     kw: dict[str, Any] = {"default": f.default, "help": meta["help"]}
-    annotation = str(f.type).replace(" | None", "")
-    if annotation == "bool":
+    annotation = str(f.type)
+    if annotation == "bool | None":  # on, off, or the setting's own default: --x / --no-x
+        kw["action"] = argparse.BooleanOptionalAction
+    elif annotation == "bool":
         kw["action"] = "store_true"
     else:
-        kw["type"] = meta.get("type") or _TYPES[annotation]
+        kw["type"] = meta.get("type") or _TYPES[annotation.replace(" | None", "")]
     kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
     return kw
 

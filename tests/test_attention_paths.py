@@ -75,7 +75,8 @@ class _CountingRunner:
 @pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
 def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
-    llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy)
+    # no prefix caching: the second run must compute the same prompts again, not start on cached blocks
+    llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy, enable_prefix_caching=False)
     model = llm.engine.runner.model
     model.decode_layers = counting = _CountingRunner(model.decode_layers)
     one_call = llm.generate(_prompts(), params)
@@ -165,8 +166,8 @@ def test_select_paths_table(monkeypatch):
         p = llama.select_paths(kernels, batch, kv, profiled)
         return p.decode_layers, p.decode_attention
 
-    assert paths(on, _batch(num_decodes=cpu_kernels.MAX_ROWS)) == (True, "kernel")
-    assert paths(on, _batch(num_decodes=cpu_kernels.MAX_ROWS + 1)) == (False, "kernel")
+    assert paths(on, _batch(num_decodes=cpu_kernels.max_rows())) == (True, "kernel")
+    assert paths(on, _batch(num_decodes=cpu_kernels.max_rows() + 1)) == (False, "kernel")
     assert paths(on, _batch(num_decodes=4), profiled=True) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1, num_decodes=4)) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1)) == (False, None)

@@ -34,7 +34,8 @@ def test_generate_flags_have_the_declared_defaults_and_help():
     assert set(ENGINE_CLI_SETTINGS) <= set(by_dest)
     for name in ENGINE_CLI_SETTINGS:
         action, f = by_dest[name], fields[name]
-        assert action.option_strings == [setting_flag(name)]
+        off = ["--no-" + setting_flag(name)[2:]] if str(f.type) == "bool | None" else []  # on, off, or the default
+        assert action.option_strings == [setting_flag(name)] + off
         assert action.default == f.default
         assert action.help.startswith(f.metadata["help"].replace("%", "%%"))
     text = parser.format_help()

@@ -135,7 +135,9 @@ def engine_for(loaded, budget, args) -> LLMEngine:
     steer = dict(tbt_slo_ms=args.tbt_slo_ms, min_chunk_size=args.min_chunk_size,
                  max_chunk_size=args.max_chunk_size) if budget == ADAPTIVE else dict(chunk_size=budget)
     return LLMEngine(EngineArgs(model=loaded.source, num_layers=args.num_layers, device=args.device, dtype=args.dtype,
-                                max_num_seqs=args.max_num_seqs, tile_size=args.tile_size, **steer), loaded=loaded)
+                                max_num_seqs=args.max_num_seqs, tile_size=args.tile_size, **steer,
+                                # every probe of a round resends the same prompts to this engine
+                                enable_prefix_caching=False), loaded=loaded)
 
 
 def search(loaded, workload: Workload, budget, args, round_index: int) -> dict:

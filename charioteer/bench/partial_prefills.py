@@ -61,6 +61,8 @@ def run_behind(engine: LLMEngine, long_prompt, shorts, params) -> dict:
 
 def measure(loaded, engine_kwargs: dict, fair_kwargs: dict, long_prompt, shorts, params, repeats: int,
             progress=None) -> dict:
+    # Every round sends the same prompts to the same engines: cached prefixes would turn later rounds into hits.
+    engine_kwargs = {**engine_kwargs, "enable_prefix_caching": False}
     unfair_kwargs = {**engine_kwargs, "max_num_partial_prefills": 1, "max_long_partial_prefills": 1}
     engines = {
         "alone": LLMEngine(EngineArgs(**unfair_kwargs), loaded=loaded),

@@ -84,7 +84,9 @@ def cmd_bench_structured(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    llm = LLM(loaded, device=args.device, **workload_a(loaded.tokenizer).charioteer_args["charioteer-sarathi"])
+    # Every round resends workload A's prompts to this engine: no prefix caching, or later rounds would hit it.
+    llm = LLM(loaded, device=args.device, enable_prefix_caching=False,
+              **workload_a(loaded.tokenizer).charioteer_args["charioteer-sarathi"])
     print(f"model: {llm.engine.model_config.name}, {args.device}, {torch.get_num_threads()} threads; workload A, "
           f"{args.repeats} rounds after {args.warmup} warm-up", file=sys.stderr)
     result = measure(llm, args.repeats, args.warmup)
