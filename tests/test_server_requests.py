@@ -273,6 +273,16 @@ def test_batched_prompts_with_n_are_indexed_prompt_major(server, client, offline
     assert [c.text for c in got.choices] == want
 
 
+def test_echo_with_n_gives_every_sample_the_prompt_logprobs(server, client, offline):
+    got = _create(client, server, prompt=PROMPTS[0], n=2, temperature=0.9, seed=3, echo=True, logprobs=1)
+    n_prompt = len(offline.tokenizer.encode(PROMPTS[0]))
+    prompt_parts = [c.logprobs.token_logprobs[:n_prompt] for c in got.choices]
+    assert prompt_parts[0][0] is None and all(v is not None and v <= 0 for v in prompt_parts[0][1:])
+    assert prompt_parts[1] == prompt_parts[0]  # sample 1 shows the prompt's logprobs that sample 0 computed
+    assert got.choices[1].logprobs.top_logprobs[1] == got.choices[0].logprobs.top_logprobs[1]
+    assert all(c.text.startswith(PROMPTS[0]) for c in got.choices)
+
+
 def test_best_of_keeps_the_most_likely_sample(server, client, offline):
     got = _create(client, server, prompt=PROMPTS[2], best_of=3, temperature=0.9, seed=5)
     ranked = sorted(_sampled(offline, PROMPTS[2], 5, 3, logprobs=0), key=lambda c: -c.cumulative_logprob)

@@ -41,7 +41,7 @@ class LLMEngine:
                                                  self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True,
-                                   enable_prefix_caching=cache.enable_prefix_caching)
+                                   enable_prefix_caching=cache.prefix_caching)
         # Through a weak reference: the scheduler must not keep the engine (its weights, its KV cache)
         # alive in a cycle that only the garbage collector's rare full pass would free.
         holds_stop_string = weakref.WeakMethod(self._holds_stop_string)
@@ -376,6 +376,7 @@ class LLMEngine:
             new_text = visible[shown:]
             self._streaming[request.request_id] = max(shown, len(visible))
         params = request.params
+        prompt_owner = request.fork_of or request  # sample 0 computed the prompt's logprobs for every sample
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -388,7 +389,8 @@ class LLMEngine:
                 if params.logprobs is not None else None,
             )],
             finished=request.is_finished,
-            prompt_logprobs=list(request.prompt_logprobs) if params.prompt_logprobs is not None else None,
+            prompt_logprobs=list(prompt_owner.prompt_logprobs) if prompt_owner.params.prompt_logprobs is not None
+            else None,
             metrics=RequestMetrics(request.arrival_time, request.scheduled_time, request.first_token_time,
                                    request.finish_time, request.num_preemptions),
             new_text=new_text,

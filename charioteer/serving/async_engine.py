@@ -358,8 +358,9 @@ class AsyncEngine:
                         for tok, lp in zip(new_ids, completion.logprobs[live.sent_tokens:])]
         prompt_logprobs = None
         if live.sent_tokens == 0 and out.prompt_logprobs is not None:
+            owner = live.request.fork_of or live.request  # sample 0 holds the prompt logprobs' k
             prompt_logprobs = self._prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                                    live.request.params.prompt_logprobs or 0)
+                                                    owner.params.prompt_logprobs or 0)
         live.sent_tokens = len(completion.token_ids)
         self.metrics.generation_tokens.inc(len(new_ids))
         return Delta(out.new_text, new_ids, logprobs, out.finished, completion.finish_reason,
