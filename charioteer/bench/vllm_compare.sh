@@ -50,30 +50,32 @@ def load(path):
         print(f"  missing/unreadable: {path} ({exc.__class__.__name__})")
         return None
 
+# Each client's result file names the same counts differently: (completed, failed, duration) keys.
+KEYS = {"vllm": ("completed", "failed", "duration"),
+        "charioteer": ("successful_requests", "failed_requests", "duration_s")}
 runs = {"vllm": [], "charioteer": []}
+
+def report(i, client, r):
+    ok_key, bad_key, duration_key = KEYS[client]
+    ok, bad = r.get(ok_key, 0), r.get(bad_key, 0)
+    print(f"  turn {i} {client + ':':<11} {ok} ok, {bad} failed, "
+          f"{r.get('total_input_tokens', 0) / max(ok, 1):.1f} in / "
+          f"{r.get('total_output_tokens', 0) / max(ok, 1):.1f} out tokens per request, "
+          f"{r.get(duration_key, float('nan')):.1f} s")
+    errors = [e for e in r.get("errors") or [] if e]  # vLLM's detailed results hold "" per good request
+    if errors:
+        print(f"    errors: {errors[:3]}")
+    runs[client].append(r)
+
 print(f"results in {out}")
 for i in range(1, turns + 1):
-    v = load(os.path.join(out, "vllm-client", f"run{i}.json"))
     c_path = os.path.join(out, f"charioteer-client-{i}", "results.json")
     if not os.path.exists(c_path):  # the --json line on stdout holds the same metrics
         c_path = os.path.join(out, f"charioteer-client-{i}.stdout.json")
-    c = load(c_path)
-    if v is not None:
-        ok, bad = v.get("completed", 0), v.get("failed", 0)
-        print(f"  turn {i} vllm:       {ok} ok, {bad} failed, "
-              f"{v.get('total_input_tokens', 0) / max(ok, 1):.1f} in / "
-              f"{v.get('total_output_tokens', 0) / max(ok, 1):.1f} out tokens per request, "
-              f"{v.get('duration', float('nan')):.1f} s")
-        runs["vllm"].append(v)
-    if c is not None:
-        ok, bad = c.get("successful_requests", 0), c.get("failed_requests", 0)
-        print(f"  turn {i} charioteer: {ok} ok, {bad} failed, "
-              f"{c.get('total_input_tokens', 0) / max(ok, 1):.1f} in / "
-              f"{c.get('total_output_tokens', 0) / max(ok, 1):.1f} out tokens per request, "
-              f"{c.get('duration_s', float('nan')):.1f} s")
-        if c.get("errors"):
-            print(f"    errors: {c['errors'][:3]}")
-        runs["charioteer"].append(c)
+    for client, path in (("vllm", os.path.join(out, "vllm-client", f"run{i}.json")), ("charioteer", c_path)):
+        r = load(path)
+        if r is not None:
+            report(i, client, r)
 
 def agg(client, key):
     vals = [r[key] for r in runs[client] if isinstance(r.get(key), (int, float))]
