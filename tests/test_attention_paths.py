@@ -159,15 +159,15 @@ def test_select_paths_table(monkeypatch):
                          num_kv_heads=1)
     kv = llama.KVCache(config, 16, torch.device("cpu"))  # K and V of a position: 2 * 64 * 4 = 512 bytes
     monkeypatch.setattr(llama, "DECODE_IN_PLACE_MIN_BYTES", 512 * 10)
-    on = llama.Kernels(panel_gemm=True, packed_gemm=True, row_ops=True, decode_attention=True, decode_layers=True)
+    on = llama.Kernels(panel_rows=32, packed_gemm=True, row_ops=True, decode_attention=True, decode_layers=True)
     off = dataclasses.replace(on, decode_attention=False, decode_layers=False)
 
     def paths(kernels, batch, profiled=False):
         p = llama.select_paths(kernels, batch, kv, profiled)
         return p.decode_layers, p.decode_attention
 
-    assert paths(on, _batch(num_decodes=cpu_kernels.max_rows())) == (True, "kernel")
-    assert paths(on, _batch(num_decodes=cpu_kernels.max_rows() + 1)) == (False, "kernel")
+    assert paths(on, _batch(num_decodes=32)) == (True, "kernel")
+    assert paths(on, _batch(num_decodes=33)) == (False, "kernel")
     assert paths(on, _batch(num_decodes=4), profiled=True) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1, num_decodes=4)) == (False, "kernel")
     assert paths(on, _batch(num_prefills=1)) == (False, None)
@@ -183,9 +183,9 @@ def test_select_paths_table(monkeypatch):
 def test_kernels_choose_off_the_cpu_and_by_switch(monkeypatch):
     config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
                          num_kv_heads=1)
-    assert llama.Kernels.choose(config, torch.device("cuda")) == llama.Kernels(False, False, False, False, False)
+    assert llama.Kernels.choose(config, torch.device("cuda")) == llama.Kernels(0, False, False, False, False)
     cpu = llama.Kernels.choose(config, torch.device("cpu"))
-    assert cpu.panel_gemm == cpu.row_ops == cpu.decode_attention == cpu.decode_layers == cpu_kernels.available()
+    assert (cpu.panel_rows > 0) == cpu.row_ops == cpu.decode_attention == cpu.decode_layers == cpu_kernels.available()
     assert cpu.ops is (llama.NativeRowOps if cpu_kernels.available() else llama.TorchRowOps)
     monkeypatch.setenv("CHARIOTEER_PACKED_GEMM", "0")
     assert not llama.Kernels.choose(config, torch.device("cpu")).packed_gemm

@@ -70,7 +70,7 @@ def test_bad_shapes_are_refused(isa):
 def test_linear_routes_by_rows():
     """Up to cpu_kernels.max_rows() rows run on the chosen build's panel kernel; more go to MKL's kernels."""
     w = torch.randn(96, 128)
-    lin = Linear(w, pack=False, panels=True)
+    lin = Linear(w, pack=False, panel_rows=cpu_kernels.max_rows())
     small = torch.randn(cpu_kernels.max_rows(), 128)
     assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96))
     large = torch.randn(cpu_kernels.max_rows() + 1, 128)

@@ -111,11 +111,12 @@ class Linear:
 
     __slots__ = ("weight", "packed", "panels", "panel_rows", "invariant")
 
-    def __init__(self, weight: torch.Tensor, pack: bool, panels: bool = False, invariant: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, panel_rows: int = 0, invariant: bool = False) -> None:
+        """`panel_rows`: run the panel kernel for batches of 1 to this many rows (0: never)."""
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
-        self.panels = cpu_kernels.pack(weight) if panels else None
-        self.panel_rows = cpu_kernels.max_rows() if panels else 0
+        self.panels = cpu_kernels.pack(weight) if panel_rows else None
+        self.panel_rows = panel_rows
         self.invariant = invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ class NativeRowOps:
 class Kernels:
     """The optional kernels one model runs, fixed at its construction by `choose`."""
 
-    panel_gemm: bool  # Linear: the panel GEMM for 1 to cpu_kernels.max_rows() rows
+    panel_rows: int  # Linear and decode_layers: the panel GEMM for 1 to this many rows (0: none)
     packed_gemm: bool  # Linear: MKL's packed sgemm for 1 to PACKED_GEMM_MAX_ROWS rows
     row_ops: bool  # NativeRowOps instead of TorchRowOps
     decode_attention: bool  # cpu_kernels.decode_attention for a batch's decodes
@@ -227,15 +228,15 @@ class Kernels:
             if dtype != torch.float32 or quantized:
                 raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
             native = invariant.choose_path(device, config.head_dim) == "native"
-            return cls(panel_gemm=native, packed_gemm=False, row_ops=native, decode_attention=native,
-                       decode_layers=native, invariant="native" if native else "portable")
+            return cls(panel_rows=cpu_kernels.max_rows() if native else 0, packed_gemm=False, row_ops=native,
+                       decode_attention=native, decode_layers=native, invariant="native" if native else "portable")
         native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
         row_ops = native and config.head_dim % 32 == 0
         decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
-        panel_gemm = native and not quantized
-        return cls(panel_gemm=panel_gemm, row_ops=row_ops, decode_attention=decode_attention,
+        panel_rows = cpu_kernels.max_rows() if native and not quantized else 0
+        return cls(panel_rows=panel_rows, row_ops=row_ops, decode_attention=decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
-                   decode_layers=panel_gemm and row_ops and decode_attention)
+                   decode_layers=panel_rows > 0 and row_ops and decode_attention)
 
     @property
     def ops(self) -> type[TorchRowOps] | type[NativeRowOps]:
@@ -253,7 +254,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
 
     path                        taken when
     --------------------------  -----------------------------------------------------------------
-    decode_layers               kernels.decode_layers, a decode-only batch of 1 to cpu_kernels.max_rows()
+    decode_layers               kernels.decode_layers, a decode-only batch of 1 to kernels.panel_rows
                                 rows with decode_lengths, not profiled (hooks time the loop's ops)
     decode_attention "kernel"   kernels.decode_attention and decode_lengths given
     decode_attention "in_place" else, each decode's context is one run of slots and reading it in
@@ -266,7 +267,7 @@ def select_paths(kernels: Kernels, inp: ForwardInput, kv: KVCache, profiled: boo
     """
     has_lengths = inp.decode_lengths is not None
     decode_layers = (kernels.decode_layers and not profiled and not inp.prefills and has_lengths
-                     and 0 < inp.num_decodes <= cpu_kernels.max_rows())
+                     and 0 < inp.num_decodes <= kernels.panel_rows)
     if not inp.num_decodes:
         decode_attention = None
     elif kernels.decode_attention and has_lengths:
@@ -390,13 +391,13 @@ class LlamaModel:
         def linear(weight: torch.Tensor) -> Linear | Int8Linear:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.dtype)
-            return Linear(weight, k.packed_gemm, k.panel_gemm, k.invariant is not None)
+            return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format).
         self.linears = [{name: linear(layer.pop(name)) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
         # The LM head shares the embedding's tensor when tied, so it stays in dtype.
-        self.lm_head_linear = (Linear(self.lm_head, k.packed_gemm, k.panel_gemm, k.invariant is not None)
+        self.lm_head_linear = (Linear(self.lm_head, k.packed_gemm, k.panel_rows, k.invariant is not None)
                                if self.lm_head is not None else None)
         self.decode_layers = None
         if k.decode_layers:
