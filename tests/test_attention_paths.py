@@ -72,11 +72,12 @@ class _CountingRunner:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
-@pytest.mark.parametrize("kv_policy", ["reserve", "paged"])
-def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy):
+@pytest.mark.parametrize("kv_policy, quantization", [("reserve", None), ("paged", None), ("paged", "int8")])
+def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy, quantization):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
     # no prefix caching: the second run must compute the same prompts again, not start on cached blocks
-    llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy, enable_prefix_caching=False)
+    llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy, enable_prefix_caching=False,
+              quantization=quantization)
     model = llm.engine.runner.model
     model.decode_layers = counting = _CountingRunner(model.decode_layers)
     one_call = llm.generate(_prompts(), params)

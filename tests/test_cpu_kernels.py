@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from charioteer.model import cpu_kernels
-from charioteer.model.llama import Linear
+from charioteer.model.llama import INT8_PANEL_ROWS_FACTOR, Int8Linear, Linear
+from charioteer.model.precision import quantize_int8
 
 # Every build, skipped (with the reason) where this CPU cannot execute it or it does not build.
 each_isa = pytest.mark.parametrize("isa", [
@@ -66,6 +67,54 @@ def test_bad_shapes_are_refused(isa):
         cpu_kernels.linear(torch.randn(2, 64), panels, 65, isa=isa)
 
 
+def _narrow_weight(kind: str, n: int, k: int, g: torch.Generator):
+    """(the weight as packed, its scale or None, the fp32 weight it stands for) of a bf16 or int8 weight."""
+    w = torch.randn(n, k, generator=g)
+    if kind == "bf16":
+        return w.bfloat16(), None, w.bfloat16().float()
+    q, scale = quantize_int8(w)
+    return q, scale, q.float() * scale[:, None]
+
+
+@each_isa
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["bf16", "int8"]), rows=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 300),
+       seed=st.integers(0, 2**31 - 1))
+def test_narrow_weights_match_their_float64_product(kind, rows, n, k, seed, isa):
+    """bf16 and int8 weights widened in the kernel: one row block widens as it streams, several
+    share a widened copy of each slice; both give the product with the weight they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    stored, scale, w = _narrow_weight(kind, n, k, g)
+    y = cpu_kernels.linear(x, cpu_kernels.pack(stored, isa=isa), n, scale, isa=isa)
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-4, atol=1e-4 * k**0.5 * float(w.abs().max()))
+
+
+@each_isa
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_narrow_weights_rows_do_not_depend_on_the_batch(kind, isa):
+    g = torch.Generator().manual_seed(1)
+    stored, scale, _ = _narrow_weight(kind, 200, 1536, g)
+    x = torch.randn(32, 1536, generator=g)
+    panels = cpu_kernels.pack(stored, isa=isa)
+    full = cpu_kernels.linear(x, panels, 200, scale, isa=isa)  # several row blocks: the widened copy
+    for i in (0, 7, 31):  # one row: widened as it streams
+        assert torch.equal(cpu_kernels.linear(x[i:i + 1], panels, 200, scale, isa=isa)[0], full[i])
+    assert torch.equal(cpu_kernels.linear(x[3:20], panels, 200, scale, isa=isa), full[3:20])
+
+
+@each_isa
+def test_int8_panels_need_their_scales(isa):
+    q, scale = quantize_int8(torch.randn(40, 64))
+    panels = cpu_kernels.pack(q, isa=isa)
+    with pytest.raises(RuntimeError, match="int8 panels take one fp32 scale per output column"):
+        cpu_kernels.linear(torch.randn(2, 64), panels, 40, isa=isa)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous fp32 vector"):
+        cpu_kernels.linear(torch.randn(2, 64), panels, 40, scale[:39], isa=isa)
+    with pytest.raises(RuntimeError, match="int8 panels take one fp32 scale"):
+        cpu_kernels.linear(torch.randn(2, 64), cpu_kernels.pack(torch.randn(40, 64), isa=isa), 40, scale, isa=isa)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 def test_linear_routes_by_rows():
     """Up to cpu_kernels.max_rows() rows run on the chosen build's panel kernel; more go to MKL's kernels."""
@@ -75,6 +124,24 @@ def test_linear_routes_by_rows():
     assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96))
     large = torch.randn(cpu_kernels.max_rows() + 1, 128)
     assert torch.equal(lin(large), torch.nn.functional.linear(large, w))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+def test_int8_linear_routes_by_rows():
+    """int8 weights run on the panel kernel up to INT8_PANEL_ROWS_FACTOR times its fp32 row limit,
+    then dequantized through one fp32 GEMM; without the kernels, through torch's int8 GEMM."""
+    w = torch.randn(96, 128)
+    lin = Int8Linear(w, torch.float32, panel_rows=cpu_kernels.max_rows())
+    exact = lin.weight.float() * lin.scale[:, None]
+    limit = cpu_kernels.max_rows() * INT8_PANEL_ROWS_FACTOR
+    small = torch.randn(limit, 128)
+    assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96, lin.scale))
+    large = torch.randn(limit + 1, 128)
+    assert torch.equal(lin(large), torch.nn.functional.linear(large, exact))
+    torch.testing.assert_close(lin(small), small @ exact.T, rtol=1e-4, atol=1e-4)
+    portable = Int8Linear(w, torch.float32)
+    assert portable.panels is None
+    torch.testing.assert_close(portable(small), lin(small), rtol=1e-4, atol=1e-4)
 
 
 def _sdpa_reference(q, k_cache, v_cache, slots, lengths):

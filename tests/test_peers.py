@@ -1,4 +1,6 @@
 """`charioteer bench peers`: workloads, FLOP counting, and a real side-by-side run of two engines."""
+import sys
+
 import pytest
 
 from charioteer.bench import peers
@@ -151,3 +153,30 @@ def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, c
                          ("hf-static", "bf16")}
     assert rows["hf-static", "fp32"]["sarathi_speedup"] == pytest.approx(2.0, abs=0.01)
     assert rows["hf-static", "bf16"]["sarathi_speedup"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_int8_compares_charioteer_int8_with_llama_cpp_q8_0(monkeypatch, canned_b):
+    """--dtypes float32,int8: llama.cpp runs its shipped GGUF under float32 and a Q8_0 copy under int8,
+    each against charioteer-sarathi in that dtype; HF has no int8 here and says so."""
+    assert peers.engine_dtypes("llama.cpp", ("float32", "int8")) == ["float32", "int8"]
+    assert peers.engine_dtypes("llama.cpp", ("int8",)) == ["int8"]
+    assert peers.engine_dtypes("hf-static", ("float32", "int8")) == ["float32", "int8"]
+    w = canned_b
+    seconds = {("charioteer-sarathi", "float32"): 2.0, ("llama.cpp", "float32"): 1.0, ("hf-static", "float32"): 4.0,
+               ("charioteer-sarathi", "int8"): 1.0, ("llama.cpp", "int8"): 3.0}
+    ran = []
+
+    def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
+        ran.append((engine, dtype))
+        return {"process_s": 1.0, "results": [{"elapsed_s": seconds[engine, dtype], "prompt_tokens": 100,
+                                               "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
+
+    monkeypatch.setattr(peers, "run_engine", fake_run)
+    monkeypatch.setattr(peers, "availability", lambda engine, vllm_python: (sys.executable, None))
+    result = peers.run_peers(["B"], ["charioteer-sarathi", "llama.cpp", "hf-static"], quick=True, repeats=2,
+                             dtypes=("float32", "int8"))
+    assert sorted(set(ran)) == sorted(seconds)
+    rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
+    assert rows["llama.cpp", "Q4_1 weights, f16 KV"]["sarathi_speedup"] == pytest.approx(0.5, abs=0.01)
+    assert rows["llama.cpp", "Q8_0 weights, f16 KV"]["sarathi_speedup"] == pytest.approx(3.0, abs=0.01)
+    assert rows["hf-static", "int8 weights, fp32 activations"]["status"].startswith("skipped: no weight-only int8")

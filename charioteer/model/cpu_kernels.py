@@ -4,8 +4,9 @@ A decode step reads every weight once for a handful of rows, and every request's
 once for one query token; both are bound by memory streams, and both pay for the way MKL and
 SDPA run such small shapes.
 
-- `linear`: y = x @ w.T for up to `max_rows()` rows (32 on AVX-512, 128 on AVX2). The weight is repacked once into panels of output
-  columns (32 for AVX-512, 24 for AVX2), one contiguous stream each, prefetched into L2. At 16
+- `linear`: y = x @ w.T for up to `max_rows()` rows (32 on AVX-512, 128 on AVX2). The weight is
+  repacked once into panels of output columns (32 for AVX-512, 24 for AVX2), one contiguous stream
+  each, prefetched into L2; fp32, or bf16 or int8 widened to fp32 in registers. At 16
   rows, on AVX-512, it reads SmolLM2's layer weights at about 19 GB/s against MKL's packed GEMM's
   15, and the LM head 1.5x faster (`charioteer bench roofline --decode-stream`). Each output is
   summed over k in order, so a row's result does not depend on the other rows of its batch.
@@ -180,7 +181,7 @@ def _kernels(isa: str | None):
 
 def pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """[N, K] weight -> [ceil(N/P), K, P] panels, zero-padded past N; P (the build's panel_width)
-    is 32 columns for AVX-512, 24 for AVX2."""
+    is 32 columns for AVX-512, 24 for AVX2. The weight keeps its dtype: fp32, bf16 or int8."""
     width = _kernels(isa).panel_width
     n, k = weight.shape
     num_panels = -(-n // width)
@@ -189,9 +190,12 @@ def pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     return padded.view(num_panels, width, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
-    """x [M, K] @ w.T -> [M, n], with `panels` = pack(w) and n = w.shape[0]."""
-    return _kernels(isa).panel_linear(x, panels, n)
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor | None = None,
+           isa: str | None = None) -> torch.Tensor:
+    """x [M, K] (fp32) @ w.T -> [M, n], with `panels` = pack(w) and n = w.shape[0]. bf16 and int8
+    weights are widened to fp32 in registers, so they stream half or a quarter of fp32's bytes;
+    int8 weights take `scale`, fp32 [n]: the product is x @ (w * scale[:, None]).T."""
+    return _kernels(isa).panel_linear(x, panels, n, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -232,16 +236,18 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
 
 def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: list[torch.Tensor],
                   ffn_norm: list[torch.Tensor], gate_up: list[torch.Tensor], down: list[torch.Tensor], *, heads: int,
-                  kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float, isa: str | None = None):
+                  kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                  weight_scales: list[torch.Tensor] | None = None, isa: str | None = None):
     """A runner of every layer for decode-only batches, on the kernels above in one C++ call.
 
     Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
-    fused gate/up and down weights. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    fused gate/up and down weights; with int8 weights, `weight_scales` holds each layer's four
+    column scales (QKV, O, gate/up, down), layer after layer. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
     lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
     [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
     """
-    return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, heads, kv_heads, head_dim,
-                                      intermediate, eps, scale)
+    return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [], heads,
+                                      kv_heads, head_dim, intermediate, eps, scale)
 
 
 def argmax_rows(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:

@@ -136,18 +136,36 @@ class Linear:
         return self.weight.numel() * self.weight.element_size()
 
 
+# Up to how many times the fp32 panel kernel's row limit the int8 weights stay in the panel
+# kernel. Its alternative above the limit writes and reads an fp32 copy of the weight first: on
+# Zen 3 (AVX2) the panel kernel is 1.1-1.9x faster than that at 256 rows of SmolLM2's and the LM
+# head's shapes, 0.96-1.3x at 512, and 0.6-1.0x at 1024. Not measured on AVX-512.
+INT8_PANEL_ROWS_FACTOR = 4
+
+
 class Int8Linear:
-    """y = x @ (q * scale[:, None]).T with q int8: torch's weight-only int8 GEMM (which widens the
-    weight inside the kernel), in x's dtype (charioteer.model.precision.quantize_int8)."""
+    """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
 
-    __slots__ = ("weight", "scale")
+    With the CPU kernels (fp32 activations, `panel_rows` > 0) the panel GEMM widens q in registers,
+    reading a quarter of fp32's bytes, for up to INT8_PANEL_ROWS_FACTOR * panel_rows rows; above
+    that, q is dequantized for one fp32 GEMM. Without them, torch's weight-only int8 GEMM runs,
+    which on an AVX2 CPU is 5-40x slower than the fp32 panel kernel on the same shape.
+    """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    __slots__ = ("weight", "scale", "panels", "panel_rows")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0) -> None:
         self.weight, scale = quantize_int8(weight)
         self.scale = scale.to(dtype)
+        self.panels = cpu_kernels.pack(self.weight) if panel_rows else None
+        self.panel_rows = panel_rows * INT8_PANEL_ROWS_FACTOR
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
+        if self.panels is None:
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
+        if x.shape[0] <= self.panel_rows:
+            return cpu_kernels.linear(x, self.panels, self.weight.shape[0], self.scale)
+        return F.linear(x, self.weight.float() * self.scale[:, None])
 
     @property
     def nbytes(self) -> int:
@@ -219,8 +237,8 @@ class Kernels:
                quantized: bool = False, batch_invariant: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
-        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them are fp32 only, and the
-        GEMMs take no int8 weights (Int8Linear's own kernel does).
+        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them take fp32
+        activations only; the panel GEMM also takes int8 weights (Int8Linear), MKL's does not.
 
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on the native path, none
         on the portable one (charioteer.model.invariant.choose_path)."""
@@ -233,7 +251,7 @@ class Kernels:
         native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
         row_ops = native and config.head_dim % 32 == 0
         decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
-        panel_rows = cpu_kernels.max_rows() if native and not quantized else 0
+        panel_rows = cpu_kernels.max_rows() if native else 0
         return cls(panel_rows=panel_rows, row_ops=row_ops, decode_attention=decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=panel_rows > 0 and row_ops and decode_attention)
@@ -390,15 +408,19 @@ class LlamaModel:
 
         def linear(weight: torch.Tensor) -> Linear | Int8Linear:
             if self.quantization == "int8":
-                return Int8Linear(weight, self.dtype)
+                return Int8Linear(weight, self.dtype, k.panel_rows)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format).
         self.linears = [{name: linear(layer.pop(name)) for name in ("qkv", "o", "gate_up", "down")}
                         for layer in self.layers]
-        # The LM head shares the embedding's tensor when tied, so it stays in dtype.
-        self.lm_head_linear = (Linear(self.lm_head, k.packed_gemm, k.panel_rows, k.invariant is not None)
-                               if self.lm_head is not None else None)
+        # With int8 the LM head is quantized too (a tied embedding keeps its table in dtype for the
+        # lookups): it is the largest matrix of a small model, a third of SmolLM2's weights.
+        self.lm_head_linear = None
+        if self.lm_head is not None:
+            self.lm_head_linear = linear(self.lm_head)
+            if self.quantization == "int8" and self.lm_head is not self.embed:
+                self.lm_head = None  # the int8 copy replaces it
         self.decode_layers = None
         if k.decode_layers:
             self.decode_layers = cpu_kernels.decode_layers(
@@ -406,15 +428,28 @@ class LlamaModel:
                 [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
                 [lin["gate_up"].panels for lin in self.linears], [lin["down"].panels for lin in self.linears],
                 heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-                eps=c.rms_norm_eps, scale=c.head_dim ** -0.5)
+                eps=c.rms_norm_eps, scale=c.head_dim ** -0.5,
+                weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
+                if self.quantization == "int8" else None)
 
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         tensors = [t for t in tensors if t is not None]
         tensors += [t for layer in self.layers for t in layer.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(
-            lin.nbytes for layer in self.linears for lin in layer.values())
+        linears = [lin for layer in self.linears for lin in layer.values()]
+        if isinstance(self.lm_head_linear, Int8Linear):  # its own int8 copy, beside a tied embedding or not
+            linears.append(self.lm_head_linear)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(lin.nbytes for lin in linears)
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every linear layer's, the norms' and the LM head's (an
+        embedding lookup reads only its rows)."""
+        norms = [t for layer in self.layers for t in layer.values()] + [t for t in [self.final_norm] if t is not None]
+        linears = [lin for layer in self.linears for lin in layer.values()]
+        linears += [self.lm_head_linear] if self.lm_head_linear is not None else []
+        return sum(t.numel() * t.element_size() for t in norms) + sum(lin.nbytes for lin in linears)
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:

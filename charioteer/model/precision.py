@@ -4,9 +4,9 @@
   auto takes bfloat16 where the processor computes it natively (AMX or AVX512-BF16 on a CPU,
   bf16 support on a GPU), and float32 elsewhere: on an AVX2-only CPU torch's bf16 matmul runs
   at a seventh of fp32's rate, so halving the bytes does not pay for it.
-- `quantization="int8"` stores each linear layer's weight as int8 with one scale per output
-  channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only, W8A16/W8A32). The
-  embedding and the LM head stay in `dtype`.
+- `quantization="int8"` stores each linear layer's weight and the LM head as int8 with one scale
+  per output channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only,
+  W8A16/W8A32). The embedding's table stays in `dtype` (a lookup reads one row).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = CHARIOTEER_ISA;
   m.attr("panel_width") = panel_width();
-  m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by cpu_kernels.pack");
+  m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by cpu_kernels.pack", py::arg("x"),
+        py::arg("panels"), py::arg("n"), py::arg("scale") = py::none());
   m.def("decode_attention", &decode_attention, "one query token per request against its cached context");
   m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight");
@@ -12,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t,
                     int64_t, int64_t, double, double>())
       .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");

@@ -6,7 +6,9 @@
 #include <vector>
 
 int64_t panel_width();  // output columns per packed panel in this build
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n);
+// x fp32; panels fp32, bf16 or int8 (then `scale`: fp32, one per output column).
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                           const c10::optional<torch::Tensor>& scale = c10::nullopt);
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
@@ -20,9 +22,12 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 class DecodeLayers {
  public:
   // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack).
+  // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
+  // order; empty for fp32 or bf16 panels.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
+               std::vector<torch::Tensor> scales, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               int64_t intermediate, double eps, double scale);
 
   // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
   // weight; kv [layers, 2, slots + 1, kv_heads, dim]; cos, signed_sin [D, dim]; slot_mapping [D];
@@ -32,7 +37,9 @@ class DecodeLayers {
                     const torch::Tensor& lengths);
 
  private:
-  std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_;
+  c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
+
+  std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_;
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
 };

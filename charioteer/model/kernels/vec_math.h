@@ -41,6 +41,13 @@ inline uint32_t nan_bits(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
 inline uint32_t equal_bits(Vec a, Vec b, int64_t n) { return _mm512_mask_cmp_ps_mask(lanes(n), a, b, _CMP_EQ_OQ); }
 inline Vec vround(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vpow2_times(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral in [-126, 127]
+// kLanes weights widened to fp32, exactly: bf16 (the top half of an fp32's bits) and int8.
+inline Vec vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline Vec vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -96,6 +103,12 @@ inline Vec vround(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT |
 inline Vec vpow2_times(Vec p, Vec n) {  // 2^n built in the exponent field, so n must be in [-126, 127]
   const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+inline Vec vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline Vec vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 #else

@@ -1,0 +1,122 @@
+"""`charioteer bench single-stream`: one request's decode speed in each weight format, against the
+read-bandwidth limit of the bytes that one decode step must stream.
+
+A decode step of one request reads every linear weight, the norms and the LM head once, and its
+own cached K and V: nothing is reused, so its time is bounded below by those bytes over the
+machine's read bandwidth (`roofline`'s, a matrix-vector product over 512 MB). Each format runs in
+its own engine, all built at the start and run interleaved (fp32, bf16, int8, fp32, ...); a round
+generates `--new-tokens` tokens after a `--prompt-len`-token prompt, and its result is the median
+time of its decode-only steps.
+
+Formats: float32; bfloat16 (weights, activations and KV); int8 (weight-only int8 linear layers and
+LM head, fp32 activations and KV, `quantization="int8"`).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from charioteer.bench.common import check_repeats, emit, format_table, progress_bar
+from charioteer.bench.roofline import cpu_features, cpu_model, roofline
+from charioteer.bench.stats import compare, interleaved, median, put
+from charioteer.config import EngineArgs, add_setting_args, check_settings, setting_kwargs
+from charioteer.engine.llm_engine import LLMEngine
+from charioteer.request import SamplingParams
+
+FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+           "int8": {"dtype": "float32", "quantization": "int8"}}
+
+
+def decode_step_times(engine: LLMEngine, prompt: list[int], new_tokens: int) -> list[float]:
+    """Durations (s) of the decode-only steps of one request generating `new_tokens` tokens alone."""
+    steps = []
+    unsubscribe = engine.subscribe(lambda record: steps.append(record.duration_s) if record.kind == "decode" else None)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    unsubscribe()
+    return steps
+
+
+def streamed_bytes(engine: LLMEngine, context: float) -> float:
+    """Bytes one decode step reads: the weights a step streams and `context` positions of K and V."""
+    return engine.runner.model.streamed_weight_bytes + context * engine.kv_token_bytes
+
+
+def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
+            bandwidth_gbs: float, progress=None) -> dict:
+    engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **FORMATS[f]), loaded=loaded) for f in formats}
+    samples = interleaved({f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens)))
+                           for f in formats}, repeats, warmup=1, after_each=progress.update if progress else None)
+    context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
+    rows = []
+    for f in formats:
+        row = {"format": f}
+        step = put(row, "step_ms", samples[f], scale=1e3)
+        put(row, "tok_s", [1 / s for s in samples[f]])
+        read = streamed_bytes(engines[f], context)
+        row["streamed_mb"] = round(read / 1e6, 1)
+        row["limit_tok_s"] = round(bandwidth_gbs * 1e9 / read, 1)
+        row["of_limit"] = round(read / (bandwidth_gbs * 1e9) / step.median, 3)
+        row["achieved_gbs"] = round(read / step.median / 1e9, 1)
+        rows.append(row)
+    result = {"rows": rows}
+    for f in formats[1:]:
+        compare(result, f"{f}_over_{formats[0]}", [1 / s for s in samples[f]], [1 / s for s in samples[formats[0]]])
+    return result
+
+
+def cmd_bench_single_stream(args) -> int:
+    check_settings(args)
+    check_repeats(args.repeats)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"--formats: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FORMATS)}")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from charioteer.model.loader import load_model
+
+    loaded = load_model(args.model, num_layers=args.num_layers)
+    engine_kwargs = {**setting_kwargs(args), "model": loaded.source, "max_num_seqs": 1}
+    prompt = np.random.default_rng(args.seed).integers(1, loaded.config.vocab_size, args.prompt_len).tolist()
+    roof = roofline("cpu")
+    print(f"model: {loaded.config.name}; one request, {args.prompt_len} prompt tokens, {args.new_tokens} generated; "
+          f"read bandwidth {roof['memory_bandwidth_gbs']} GB/s", file=sys.stderr)
+    with progress_bar(len(formats) * args.repeats, "runs") as bar:
+        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats,
+                         roof["memory_bandwidth_gbs"], bar)
+    result.update({"model": loaded.config.name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                   "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
+                   "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
+    lines = [f"{cpu_model()} ({'+'.join(cpu_features())}), read bandwidth {roof['memory_bandwidth_gbs']} GB/s",
+             format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
+                                           "of_limit"])]
+    lines += [f"{f} over {formats[0]}: {result[f'{f}_over_{formats[0]}']}x "
+              f"{result[f'{f}_over_{formats[0]}_spread']} ({result[f'{f}_over_{formats[0]}_verdict']})"
+              for f in formats[1:]]
+    emit(args, result, "\n".join(lines))
+    return 0
+
+
+def add_single_stream_bench(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "single-stream", help="one request's decode speed per weight format, against the read-bandwidth limit",
+        description="One request at a time: the median decode step of each format (float32, bfloat16, int8) "
+                    "over interleaved rounds, the bytes a step streams (weights, norms, LM head and the K/V "
+                    "of its context) and the fraction of the read-bandwidth limit that it reaches.")
+    g = p.add_argument_group("setup")
+    add_setting_args(g, ["model", "num_layers", "device"])
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--formats", default="float32,int8",
+                   help=f"comma-separated subset of {','.join(FORMATS)}; the first is the baseline "
+                        "(default: float32,int8)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per round (default: 64)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of every format, after one warm-up (default: 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default: 0)")
+    p.set_defaults(func=cmd_bench_single_stream)
