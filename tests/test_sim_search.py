@@ -50,6 +50,20 @@ def test_a_run_stops_once_its_ttft_slo_is_lost():
     assert stopped["completion_time_s"] < saturation["completion_time_s"]
 
 
+def test_a_run_stops_once_its_tbt_slo_is_lost():
+    """Enough slow gaps between tokens that the p99 must miss the TBT SLO end the run, with the verdict
+    that the whole run gives."""
+    slo = SLO(ttft_p99_s=100.0, tbt_p99_s=0.00024)
+    job = tiny_job(slo)
+    c = Candidate(1, 1, 1, "orca", None, 16)
+    rate = 200 / measure(job, c, None)["completion_time_s"]
+    stopped = measure(job, c, rate)
+    full = run_one(job.spec(c, stop_early=False), Workload(job.unit_arrivals / rate, job.prompt_len, job.decode_len))
+    assert stopped["stopped_early"] and not stopped["holds"]
+    assert not full.summary["stopped_early"] and full.summary["tbt_s"]["p99"] > slo.tbt_p99_s
+    assert stopped["completion_time_s"] < full.summary["completion_time_s"]
+
+
 def test_slos_held_even_by_a_burst_give_the_saturation_throughput():
     job = tiny_job(SLO(ttft_p99_s=100.0, tbt_p99_s=100.0), num_requests=30)
     found = find_capacity(job, Candidate(1, 1, 1, "sarathi", 64, 16))

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from charioteer.config import SchedulerConfig
 from charioteer.memory.block_manager import BlockManager, cdiv
@@ -58,8 +59,10 @@ class PlanCounts:
         return [(e.num_tokens, e.start, e.is_prefill) for e in self.entries]
 
 
-@dataclass(frozen=True)
-class BatchEntry:
+class BatchEntry(NamedTuple):
+    """Immutable (a grown entry is a new one). A NamedTuple rather than a frozen dataclass: the
+    simulator builds millions, and a frozen dataclass's __init__ took 1.6 us to the tuple's 0.5."""
+
     request: Request
     start: int  # index of the first token run now; tokens [0, start) are already in the KV cache
     num_tokens: int
@@ -307,10 +310,10 @@ class Scheduler(ABC):
         return [r for r in self.running if not r.in_flight]
 
     def _running_decodes(self) -> list[Request]:
-        return [r for r in self._ready() if not r.in_prefill]
+        return [r for r in self.running if not r.in_flight and not r.in_prefill]
 
     def _running_prefills(self) -> list[Request]:
-        return [r for r in self._ready() if r.in_prefill]
+        return [r for r in self.running if not r.in_flight and r.in_prefill]
 
     # ---- the contract -----------------------------------------------------------------
 

@@ -86,9 +86,8 @@ class SarathiScheduler(Scheduler):
         return chunk
 
     def _prefill_pending(self) -> bool:
-        return bool(self._running_prefills()) or (
-            bool(self.waiting) and len(self.running) < self.config.max_num_seqs
-        )
+        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs) or any(
+            not r.in_flight and r.in_prefill for r in self.running)
 
     def _add_decodes(self, batch: Batch, limit: int) -> None:
         for request in self._running_decodes()[: max(limit, 0)]:
@@ -157,7 +156,8 @@ class SarathiScheduler(Scheduler):
         n = config.max_num_partial_prefills
         share = tokens if n == 1 else max(1, tokens // n)
         limit = config.long_prefill_token_threshold or tokens
-        num_long = sum(1 for r in self.running if r.in_prefill and self._is_long(r))
+        num_long = 0 if config.long_prefill_token_threshold is None else sum(
+            1 for r in self.running if r.in_prefill and self._is_long(r))
         added: list[BatchEntry] = []
         tried = partial = 0
         admitting = True

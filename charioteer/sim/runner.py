@@ -32,6 +32,7 @@ class RunSpec:
     max_num_batched_tokens: int | None = None
     cost_table: str | None = None  # a `charioteer tune --save-table` table: ProfiledCostModel
     ttft_limit: tuple[float, int] | None = None  # (seconds, count): stop once that many requests wait longer
+    tbt_limit: tuple[float, int] | None = None  # (seconds, count): stop once that many token gaps are longer
 
 
 @dataclass
@@ -138,7 +139,7 @@ def run_one(spec: RunSpec, workload: Workload, workload_spec: WorkloadSpec | Non
     else:
         cost = RooflineCostModel(spec.model, spec.hardware, spec.cluster)
     result = Simulator(setup, spec.cluster, cost, trace_batches=trace_batches,
-                       ttft_limit=spec.ttft_limit).run(workload, progress=progress)
+                       ttft_limit=spec.ttft_limit, tbt_limit=spec.tbt_limit).run(workload, progress=progress)
     return RunOutput(spec, result, summarize(spec, result, cap, time.perf_counter() - t0))
 
 

@@ -146,13 +146,15 @@ class SearchJob:
 
     def spec(self, c: Candidate, stop_early: bool = True) -> RunSpec:
         cluster = replace(self.cluster, tp=c.tp, pp=c.pp, replicas=c.replicas)
-        # p99 (numpy's linear interpolation) is above the SLO once the request at index floor(0.99 (n - 1)) of
-        # the sorted TTFTs is: once n - that index requests are late, the run can stop.
-        n = len(self.prompt_len)
-        late = n - math.floor(0.99 * (n - 1))
+        # p99 (numpy's linear interpolation) is above the SLO once the value at index floor(0.99 (n - 1)) of
+        # the n sorted values is: once n - that index are above it, the run can stop. A run has one TTFT
+        # per request and one gap per token after a request's first (EOS is ignored, KV reserved).
+        n, gaps = len(self.prompt_len), int(np.maximum(self.decode_len - 1, 0).sum())
+        late, slow = n - math.floor(0.99 * (n - 1)), gaps - math.floor(0.99 * max(gaps - 1, 0))
         return RunSpec(c.name, c.policy, self.model, self.hardware, cluster, chunk_size=c.chunk_size or 256,
                        batch_cap=c.batch_cap, max_seq_len=self.max_seq_len, cost_table=self.cost_table,
-                       ttft_limit=(self.slo.ttft_p99_s, late) if stop_early else None)
+                       ttft_limit=(self.slo.ttft_p99_s, late) if stop_early else None,
+                       tbt_limit=(self.slo.tbt_p99_s, slow) if stop_early and gaps else None)
 
 
 def unit_poisson_arrivals(n: int, seed: int) -> np.ndarray:

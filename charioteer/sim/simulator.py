@@ -78,19 +78,21 @@ class SimResult:
     flops: float
     num_preemptions: int
     batches: list = field(default_factory=list)  # per batch (replica, [(request_id, start, num_tokens)]) when traced
-    stopped_early: bool = False  # the run hit its `ttft_limit` and stopped with requests unfinished
+    stopped_early: bool = False  # the run hit its `ttft_limit` or `tbt_limit` and stopped with requests unfinished
 
 
 class Simulator:
     def __init__(self, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel, trace_batches: bool = False,
-                 ttft_limit: tuple[float, int] | None = None) -> None:
+                 ttft_limit: tuple[float, int] | None = None, tbt_limit: tuple[float, int] | None = None) -> None:
         """`ttft_limit` (seconds, count): stop the run once `count` requests have waited longer than
-        `seconds` for their first token (a deployment search has then lost its TTFT SLO)."""
+        `seconds` for their first token (a deployment search has then lost its TTFT SLO);
+        `tbt_limit` (seconds, count): once `count` gaps between tokens were longer than `seconds`."""
         if cost.num_stages != cluster.pp:
             raise ValueError(f"cost model has {cost.num_stages} stages but the cluster has pp={cluster.pp}")
         self.setup, self.cluster, self.cost = setup, cluster, cost
         self.trace_batches = trace_batches
         self.ttft_limit = ttft_limit
+        self.tbt_limit = tbt_limit
 
     def run(self, workload: Workload, progress=None) -> SimResult:
         """Simulate `workload` to its end; `progress` (a tqdm bar or None) advances per finished request."""
@@ -228,7 +230,8 @@ class _Tally:
     """Per-request times and bubbles, per-batch sizes, token gaps. Plain lists: indexing them is
     several times cheaper than indexing numpy arrays."""
 
-    def __init__(self, requests: list[Request], trace_batches: bool, late_after_s: float = float("inf")) -> None:
+    def __init__(self, requests: list[Request], trace_batches: bool, late_after_s: float = float("inf"),
+                 slow_gap_s: float = float("inf")) -> None:
         n = len(requests)
         self.index = {r: i for i, r in enumerate(requests)}  # Request -> its row (requests hash by identity)
         self.first = [np.nan] * n
@@ -245,6 +248,8 @@ class _Tally:
         self.arrival = [r.arrival_time for r in requests]
         self.late_after_s = late_after_s
         self.late = 0  # requests whose first token came more than late_after_s after their arrival
+        self.slow_gap_s = slow_gap_s
+        self.slow_gaps = 0  # gaps between two tokens of a request longer than slow_gap_s
 
     def issued(self, replica: int, batch: Batch, rows: list[PlanRow]) -> bool:
         """Record a planned batch; returns whether it holds prompt tokens."""
@@ -284,7 +289,10 @@ class _Tally:
                 j = index[req]
                 prev = last[j]
                 if prev >= 0.0:
-                    tbt.append(now - prev)
+                    gap = now - prev
+                    tbt.append(gap)
+                    if gap > self.slow_gap_s:
+                        self.slow_gaps += 1
                 else:
                     first[j] = now
                     if now - self.arrival[j] > self.late_after_s:
@@ -340,7 +348,8 @@ class _Run:
         self.replicas = [_Replica(i, sim.setup, cluster) for i in range(cluster.replicas)]
         self.requests = _make_requests(workload)
         late_after_s, self.max_late = sim.ttft_limit or (float("inf"), 0)
-        self.tally = _Tally(self.requests, sim.trace_batches, late_after_s)
+        slow_gap_s, self.max_slow_gaps = sim.tbt_limit or (float("inf"), 0)
+        self.tally = _Tally(self.requests, sim.trace_batches, late_after_s, slow_gap_s)
         self.stopped_early = False
         # (time, sequence number, kind, data): the sequence number keeps ties in push order.
         self.events = [(float(t), i, _ARRIVAL, i) for i, t in enumerate(workload.arrival_s)]
@@ -423,8 +432,9 @@ class _Run:
             if self.progress is not None:
                 self.progress.update(len(finished))
         self.makespan = now
-        if self.max_late and self.tally.late >= self.max_late:
-            self.events.clear()  # the TTFT limit is lost: nothing more to learn from this run
+        tally = self.tally
+        if (self.max_late and tally.late >= self.max_late) or (self.max_slow_gaps and tally.slow_gaps >= self.max_slow_gaps):
+            self.events.clear()  # an SLO is lost: nothing more to learn from this run
             self.stopped_early = True
             return
         self.issue(replica, now)
