@@ -131,12 +131,9 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, canned_b
     assert s["mfu_spread"][1] >= 0.99  # the fastest run is the peak now (rounded up to 0.1 GFLOP/s)
 
 
-def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, canned_b):
-    """--dtypes float32,bfloat16: every engine but llama.cpp runs once per dtype (the dtype reaches its
-    process), and each row's speedup is against charioteer-sarathi at the same precision."""
-    w = canned_b
-    seconds = {("charioteer-sarathi", "float32"): 1.0, ("hf-static", "float32"): 2.0,
-               ("charioteer-sarathi", "bfloat16"): 4.0, ("hf-static", "bfloat16"): 2.0}
+def _canned_runs(monkeypatch, w, seconds: dict) -> list:
+    """Replace the engine processes by canned results: `seconds[engine, dtype]` per run. Returns the
+    (engine, dtype) of every run made."""
     ran = []
 
     def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
@@ -145,6 +142,16 @@ def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, c
                                                "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
 
     monkeypatch.setattr(peers, "run_engine", fake_run)
+    return ran
+
+
+def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, canned_b):
+    """--dtypes float32,bfloat16: every engine but llama.cpp runs once per dtype (the dtype reaches its
+    process), and each row's speedup is against charioteer-sarathi at the same precision."""
+    w = canned_b
+    seconds = {("charioteer-sarathi", "float32"): 1.0, ("hf-static", "float32"): 2.0,
+               ("charioteer-sarathi", "bfloat16"): 4.0, ("hf-static", "bfloat16"): 2.0}
+    ran = _canned_runs(monkeypatch, w, seconds)
     result = peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, repeats=2,
                              dtypes=("float32", "bfloat16"))
     assert sorted(set(ran)) == sorted(seconds)
@@ -164,14 +171,7 @@ def test_int8_compares_charioteer_int8_with_llama_cpp_q8_0(monkeypatch, canned_b
     w = canned_b
     seconds = {("charioteer-sarathi", "float32"): 2.0, ("llama.cpp", "float32"): 1.0, ("hf-static", "float32"): 4.0,
                ("charioteer-sarathi", "int8"): 1.0, ("llama.cpp", "int8"): 3.0}
-    ran = []
-
-    def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):
-        ran.append((engine, dtype))
-        return {"process_s": 1.0, "results": [{"elapsed_s": seconds[engine, dtype], "prompt_tokens": 100,
-                                               "generated_tokens": 40, "outputs": [[1] * n for n in w.max_tokens]}]}
-
-    monkeypatch.setattr(peers, "run_engine", fake_run)
+    ran = _canned_runs(monkeypatch, w, seconds)
     monkeypatch.setattr(peers, "availability", lambda engine, vllm_python: (sys.executable, None))
     result = peers.run_peers(["B"], ["charioteer-sarathi", "llama.cpp", "hf-static"], quick=True, repeats=2,
                              dtypes=("float32", "int8"))
