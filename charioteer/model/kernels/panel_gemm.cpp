@@ -6,6 +6,10 @@
 // in slices so a panel slice stays in L1 while every row block uses it, and the stream is
 // prefetched into L2 ahead of use. Each output is summed over k in order, so a row's result does
 // not depend on the other rows in the batch (nor on the row blocking).
+//
+// The weight may be fp32, bf16 or int8 (with one fp32 scale per output column): a narrow weight is
+// widened to fp32 exactly as it is loaded, so a memory-bound call reads half or a quarter of the
+// bytes and computes the same fp32 products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
