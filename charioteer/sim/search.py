@@ -209,12 +209,6 @@ def find_capacity(job: SearchJob, c: Candidate) -> dict:
     The bracket starts at [0, saturation], saturation being the throughput with every request
     arriving at t = 0: no rate above it is sustainable. If the SLOs hold there too (a trace too
     short for queues to build), the capacity is that throughput and `limit` says so.
-
-    Until a rate holds, the probes step down from saturation by gaps that double (1, 1 - tol,
-    1 - 3 tol, 1 - 7 tol, ... of it), then bisect. Capacity usually lies within a few tolerances of
-    saturation (0.87-0.97 of it on the paper-fig12 preset), a failing probe stops early, and a
-    holding probe at a low rate costs the most (its batches are small): plain bisection from half
-    the saturation spent most of its time below capacity.
     """
     t0 = time.perf_counter()
     saturated = measure(job, c, None)
@@ -223,8 +217,7 @@ def find_capacity(job: SearchJob, c: Candidate) -> dict:
     if saturated["holds"]:
         at_lo, lo, hi, limit = saturated, saturation_qps, None, "throughput"
     while hi is not None and steps <= job.max_steps and hi - lo > job.rel_tol * hi:
-        below = job.rel_tol * (2 ** (steps - 1) - 1)  # the descent's gap under saturation, as a fraction of it
-        rate = saturation_qps * (1 - below) if at_lo is None and below < 1 else (lo + hi) / 2
+        rate = hi if steps == 1 else (lo + hi) / 2  # the top of the bracket first
         point, steps = measure(job, c, rate), steps + 1
         if point["holds"]:
             lo, at_lo = rate, point
