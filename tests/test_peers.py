@@ -4,6 +4,7 @@ import sys
 import pytest
 
 from charioteer.bench import peers
+from charioteer.bench.common import choices
 from charioteer.bench.batch_timer import BatchShape
 from charioteer.bench.experiments import request_flops
 from charioteer.model.loader import load_model
@@ -60,7 +61,7 @@ def test_missing_peer_is_skipped_with_the_fix(monkeypatch):
 
 def test_bad_choice_names_the_choices():
     with pytest.raises(ValueError, match="choose from A, B, C"):
-        peers._choices("A,D", peers.WORKLOADS, "--workloads")
+        choices("A,D", peers.WORKLOADS, "--workloads")
 
 
 def test_side_by_side_run(tmp_path, monkeypatch):

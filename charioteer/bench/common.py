@@ -34,6 +34,21 @@ def float_list(text: str) -> list[float]:
     return values
 
 
+def choices(text: str, allowed, flag: str) -> list[str]:
+    """A comma-separated subset of `allowed`; ValueError naming `flag` for an unknown or empty one."""
+    chosen = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in allowed]
+    if bad or not chosen:
+        raise ValueError(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+# A benchmark's precision names and the engine settings each means: int8 is weight-only, with fp32
+# activations and KV (`bench single-stream --formats`, `bench peers --dtypes`).
+PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+                      "int8": {"dtype": "float32", "quantization": "int8"}}
+
+
 def add_setup_args(p: argparse.ArgumentParser) -> None:
     """--model, --num-layers, --device, --dtype, --quantization (engine settings), --threads, --refresh-roofline,
     --json."""
@@ -46,11 +61,11 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
-    """The setup flags of a bench that runs whole engines: --model, --num-layers, --device, --dtype,
-    --threads, --json."""
+def add_engine_bench_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """The setup flags of a bench that runs whole engines: --model, --num-layers, --device, --dtype
+    (unless the bench sets the precision itself), --threads, --json."""
     g = p.add_argument_group("setup")
-    add_setting_args(g, ["model", "num_layers", "device", "dtype"])
+    add_setting_args(g, ["model", "num_layers", "device"] + (["dtype"] if dtype else []))
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 

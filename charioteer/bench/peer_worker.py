@@ -31,14 +31,13 @@ def run_charioteer(job: dict) -> list[dict]:
     import torch
 
     from charioteer import LLM, SamplingParams
+    from charioteer.bench.common import PRECISION_SETTINGS
 
     torch.set_num_threads(job["threads"])
     results = []
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
-        precision = ({"dtype": "float32", "quantization": "int8"} if job["dtype"] == "int8"
-                     else {"dtype": job["dtype"]})
-        llm = LLM(job["model"]["charioteer"], **precision, **w["charioteer_args"])
+        llm = LLM(job["model"]["charioteer"], **PRECISION_SETTINGS[job["dtype"]], **w["charioteer_args"])
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]

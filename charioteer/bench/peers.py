@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from charioteer.bench import peer_worker
+from charioteer.bench.common import PRECISION_SETTINGS, choices
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import mfu
@@ -51,7 +52,7 @@ ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama
 OPTIONAL_ENGINES = ("charioteer-sarathi-invariant",)
 WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
-DTYPES = ("float32", "bfloat16", "int8")  # --dtypes: each engine runs once per dtype it has (see below)
+DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
@@ -356,14 +357,6 @@ def add_peers_bench(bench_sub) -> None:
     p.set_defaults(func=cmd_bench_peers)
 
 
-def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    chosen = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in allowed]
-    if bad or not chosen:
-        raise ValueError(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)}")
-    return chosen
-
-
 def cmd_bench_peers(args) -> int:
     from tqdm import tqdm
 
@@ -372,9 +365,9 @@ def cmd_bench_peers(args) -> int:
     from charioteer.bench.common import check_repeats, format_table
     from charioteer.bench.roofline import describe, roofline
 
-    workloads = _choices(args.workloads, WORKLOADS, "--workloads")
-    engines = _choices(args.engines, ENGINES + OPTIONAL_ENGINES, "--engines")
-    dtypes = tuple(_choices(args.dtypes, DTYPES, "--dtypes"))
+    workloads = choices(args.workloads, WORKLOADS, "--workloads")
+    engines = choices(args.engines, ENGINES + OPTIONAL_ENGINES, "--engines")
+    dtypes = tuple(choices(args.dtypes, DTYPES, "--dtypes"))
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     check_repeats(args.repeats)

@@ -17,15 +17,13 @@ import sys
 
 import numpy as np
 
-from charioteer.bench.common import check_repeats, emit, format_table, progress_bar
+from charioteer.bench.common import (PRECISION_SETTINGS, add_engine_bench_args, choices, emit, format_table,
+                                     load_engine_bench, progress_bar)
 from charioteer.bench.roofline import cpu_features, cpu_model, roofline
 from charioteer.bench.stats import compare, interleaved, median, put
-from charioteer.config import EngineArgs, add_setting_args, check_settings, setting_kwargs
+from charioteer.config import EngineArgs, setting_kwargs
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.request import SamplingParams
-
-FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
 def decode_step_times(engine: LLMEngine, prompt: list[int], new_tokens: int) -> list[float]:
@@ -46,7 +44,7 @@ def streamed_bytes(engine: LLMEngine, context: float) -> float:
 
 def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
             bandwidth_gbs: float, progress=None) -> dict:
-    engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **FORMATS[f]), loaded=loaded) for f in formats}
+    engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **PRECISION_SETTINGS[f]), loaded=loaded) for f in formats}
     samples = interleaved({f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens)))
                            for f in formats}, repeats, warmup=1, after_each=progress.update if progress else None)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
@@ -68,19 +66,8 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
 
 
 def cmd_bench_single_stream(args) -> int:
-    check_settings(args)
-    check_repeats(args.repeats)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        raise ValueError(f"--formats: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FORMATS)}")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from charioteer.model.loader import load_model
-
-    loaded = load_model(args.model, num_layers=args.num_layers)
+    formats = choices(args.formats, PRECISION_SETTINGS, "--formats")
+    loaded = load_engine_bench(args)
     engine_kwargs = {**setting_kwargs(args), "model": loaded.source, "max_num_seqs": 1}
     prompt = np.random.default_rng(args.seed).integers(1, loaded.config.vocab_size, args.prompt_len).tolist()
     roof = roofline("cpu")
@@ -108,12 +95,9 @@ def add_single_stream_bench(bench_sub) -> None:
         description="One request at a time: the median decode step of each format (float32, bfloat16, int8) "
                     "over interleaved rounds, the bytes a step streams (weights, norms, LM head and the K/V "
                     "of its context) and the fraction of the read-bandwidth limit that it reaches.")
-    g = p.add_argument_group("setup")
-    add_setting_args(g, ["model", "num_layers", "device"])
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_engine_bench_args(p, dtype=False)  # --formats sets each engine's precision
     p.add_argument("--formats", default="float32,int8",
-                   help=f"comma-separated subset of {','.join(FORMATS)}; the first is the baseline "
+                   help=f"comma-separated subset of {','.join(PRECISION_SETTINGS)}; the first is the baseline "
                         "(default: float32,int8)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per round (default: 64)")
