@@ -69,11 +69,11 @@ def test_decode_is_memory_bound_prefill_compute_bound():
 def test_profiled_cost_model_fit_and_table_roundtrip():
     import numpy as np
 
-    from charioteer.sim.validate import FEATURES, ProfiledCostModel
+    from charioteer.sim.validate import FEATURES, StepCostModel
 
     truth = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
              "small_batch_tokens": 2e-5, "prefill_attention": 1e-8, "decode_context": 2e-7}
-    true_model = ProfiledCostModel(truth)
+    true_model = StepCostModel(truth)
     rng = np.random.default_rng(0)
     records = []
     for _ in range(200):
@@ -81,14 +81,14 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
         plan += [(1, int(rng.integers(10, 900)), False) for _ in range(int(rng.integers(0, 12)))]
         if plan:
             records.append((plan, true_model.predict(plan)))
-    fitted = ProfiledCostModel.fit(records)
+    fitted = StepCostModel.fit(records)
     for k in FEATURES:
         assert fitted.coefs[k] == pytest.approx(truth[k], rel=1e-3)
-    again = ProfiledCostModel.from_json(fitted.to_json(), num_stages=2)
+    again = StepCostModel.from_json(fitted.to_json(), num_stages=2)
     times, p2p, _ = again.batch_cost(records[0][0])
     assert sum(times) == pytest.approx(true_model.predict(records[0][0]), rel=1e-3) and p2p == 0.0
     with pytest.raises(ValueError, match="lacks"):
-        ProfiledCostModel({"batch": 1.0})
+        StepCostModel({"batch": 1.0})
 
 
 def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, capsys):

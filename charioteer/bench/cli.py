@@ -21,6 +21,7 @@ from charioteer.bench.prefix_caching import add_prefix_caching_bench
 from charioteer.bench.peers import add_peers_bench
 from charioteer.bench.pipeline import add_pipeline_bench
 from charioteer.bench.serve import ENGINE_FLAGS
+from charioteer.bench.search_check import add_search_check_bench
 from charioteer.bench.single_stream import add_single_stream_bench
 from charioteer.bench.structured import add_structured_bench
 from charioteer.config import add_setting_args, check_settings
@@ -77,6 +78,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_prefix_caching_bench(sub)
     add_structured_bench(sub)
     add_single_stream_bench(sub)
+    add_search_check_bench(sub)
     return p
 
 

@@ -5,7 +5,7 @@ One Zipf workload (charioteer.sim.workload) runs through the engine with --pipel
 per-request bubble-time distribution (charioteer/pipeline/metrics.py defines it), stage busy and
 idle time, micro-batch shapes; across runs the median bubble ratio Orca / SARATHI. Then the
 simulator replays the same workload with a cost model fitted to the *measured* per-stage times
-(per-stage ProfiledCostModel fits, the measured mean transfer as the link time), to compare the
+(per-stage StepCostModel fits, the measured mean transfer as the link time), to compare the
 measured bubbles with what it predicts.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _driver_gaps(recs, n: int) -> dict:
 
 
 class _StageCost(CostModel):
-    """Simulator cost model: one ProfiledCostModel per stage, fitted to the measured stage times."""
+    """Simulator cost model: one StepCostModel per stage, fitted to the measured stage times."""
 
     def __init__(self, fits, p2p_s: float) -> None:
         self.fits, self.p2p_s, self.num_stages = fits, p2p_s, len(fits)
@@ -124,11 +124,11 @@ class _StageCost(CostModel):
 def simulate(runs: list[dict], workload, args) -> list[dict]:
     from charioteer.sim.simulator import ReplicaSetup, Simulator
     from charioteer.sim.specs import ClusterConfig
-    from charioteer.sim.validate import ProfiledCostModel
+    from charioteer.sim.validate import StepCostModel
 
     n = args.pipeline_parallel
     records = [r for run in runs for r in run["records"]]
-    fits = [ProfiledCostModel.fit([(r["plan"], r["stages"][s][2] - r["stages"][s][1]) for r in records])
+    fits = [StepCostModel.fit([(r["plan"], r["stages"][s][2] - r["stages"][s][1]) for r in records])
             for s in range(n)]
     p2p = float(np.mean([np.mean(r["transfer"][1:]) for r in records])) if n > 1 else 0.0
     out = []

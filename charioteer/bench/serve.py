@@ -208,12 +208,16 @@ async def _one_request(client, url: str, model: str, req: BenchRequest, headers:
 async def run_requests(base_url: str, model: str, requests: list[BenchRequest], rate: float = math.inf,
                        burstiness: float = 1.0, max_concurrency: int | None = None, seed: int | None = 0,
                        api_key: str | None = None, ignore_eos: bool = False, temperature: float = 0.0,
-                       timeout: float = 600.0, progress: bool = True,
-                       endpoint: str = "/v1/completions") -> tuple[list[RequestResult], float]:
-    """Send `requests` at their arrival times; returns the per-request results and the duration (s)."""
+                       timeout: float = 600.0, progress: bool = True, endpoint: str = "/v1/completions",
+                       offsets: np.ndarray | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests` at their arrival times (`offsets`, s from the start; default: drawn at `rate`); returns
+    the per-request results and the duration (s)."""
     import httpx
 
-    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    elif len(offsets) != len(requests):
+        raise ValueError(f"{len(offsets)} arrival offsets for {len(requests)} requests")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     url = base_url.rstrip("/") + endpoint
@@ -363,9 +367,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`charioteer serve` in a subprocess on 127.0.0.1; always killed on exit (with its process group)."""
+    """`charioteer serve` in a subprocess on 127.0.0.1; always killed on exit (with its process group).
 
-    def __init__(self, serve_args: list[str], startup_timeout: float = 300.0, log_level: str = "warning") -> None:
+    `cpus` pins it to those cores, with that many torch threads, so a client on the other cores does not
+    slow the server it measures."""
+
+    def __init__(self, serve_args: list[str], startup_timeout: float = 300.0, log_level: str = "warning",
+                 cpus: set[int] | None = None) -> None:
+        self.cpus = cpus
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "charioteer.cli", "serve", "--host", "127.0.0.1",
@@ -380,8 +389,13 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         import httpx
 
+        env, pin = None, None
+        if self.cpus:
+            cpus = set(self.cpus)
+            env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)))
+            pin = lambda: os.sched_setaffinity(0, cpus)  # noqa: E731 - runs in the child before exec
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True, env=env, preexec_fn=pin)
         deadline = time.monotonic() + self.startup_timeout
         try:
             while True:

@@ -27,6 +27,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "model's own name is accepted too)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--trace-steps", default=None, metavar="FILE",
+                   help="write every step record to FILE as a JSON line, as it happens (for `charioteer view`, or "
+                        "to fit the simulator's cost model on served steps, as `bench search-check` does)")
     add_setting_args(p.add_argument_group("engine"))
     p.set_defaults(func=cmd_serve)
     return p
@@ -38,10 +41,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     engine_args = EngineArgs.from_args(args)  # bad settings fail before the model loads
+    # Line-buffered: each step's line is in the file as soon as the step ends.
+    trace_file = open(args.trace_steps, "w", encoding="utf-8", buffering=1) if args.trace_steps else None
     import uvicorn
     from prometheus_client import disable_created_metrics
 
     from charioteer.engine.llm_engine import LLMEngine
+    from charioteer.engine.trace import TraceRecorder
     from charioteer.serving.api import ServerConfig, build_app
 
     disable_created_metrics()  # no `*_created` series next to every counter and histogram
@@ -53,8 +59,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=name, aliases=(engine.model_config.name,), api_key=args.api_key,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
     ))
+    trace = TraceRecorder(engine, trace_file) if trace_file else None
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()  # pipeline stage processes, if any
+        if trace is not None:
+            trace.close()
+            trace_file.close()
     return 0

@@ -30,7 +30,7 @@ class RunSpec:
     max_seq_len: int | None = None  # None: the workload's longest request (max_len for synthetic lengths)
     tile_size: int | None = None
     max_num_batched_tokens: int | None = None
-    cost_table: str | None = None  # a `charioteer tune --save-table` table: ProfiledCostModel
+    cost_table: str | None = None  # a measured table: see table_cost_model
     ttft_limit: tuple[float, int] | None = None  # (seconds, count): stop once that many requests wait longer
     tbt_limit: tuple[float, int] | None = None  # (seconds, count): stop once that many token gaps are longer
 
@@ -129,18 +129,30 @@ def run_one(spec: RunSpec, workload: Workload, workload_spec: WorkloadSpec | Non
     setup = ReplicaSetup(spec.scheduler, cap, max_len, chunk_size=spec.chunk_size, tile_size=spec.tile_size,
                          max_num_batched_tokens=spec.max_num_batched_tokens)
     if spec.cost_table:
-        import json
-
-        from charioteer.sim.cost import ProfiledCostModel
-        from charioteer.scheduling.chunk_size import TimingTable
-
-        with open(spec.cost_table) as f:
-            cost = ProfiledCostModel(spec.model, spec.hardware, spec.cluster, TimingTable(**json.load(f)))
+        cost = table_cost_model(spec)
     else:
         cost = RooflineCostModel(spec.model, spec.hardware, spec.cluster)
     result = Simulator(setup, spec.cluster, cost, trace_batches=trace_batches,
                        ttft_limit=spec.ttft_limit, tbt_limit=spec.tbt_limit).run(workload, progress=progress)
     return RunOutput(spec, result, summarize(spec, result, cap, time.perf_counter() - t0))
+
+
+def table_cost_model(spec: RunSpec):
+    """The cost model of a measured table: a `tune --save-table` layer-time table, or a step cost table fitted on
+    whole engine steps (`validate.StepCostModel`, written by `bench search-check`)."""
+    import json
+
+    from charioteer.scheduling.chunk_size import TimingTable
+    from charioteer.sim.cost import ProfiledCostModel
+    from charioteer.sim.validate import STEP_COST_KIND, StepCostModel
+
+    with open(spec.cost_table) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and data.get("kind") == STEP_COST_KIND:
+        if spec.cluster.tp != 1:
+            raise ValueError("a step cost table is per device: use it with --tp 1")
+        return StepCostModel.from_dict(data, num_stages=spec.cluster.pp)
+    return ProfiledCostModel(spec.model, spec.hardware, spec.cluster, TimingTable(**data))
 
 
 def run_many(specs: list[RunSpec], workload_spec: WorkloadSpec, show_progress: bool = True) -> list[RunOutput]:

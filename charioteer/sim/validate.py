@@ -1,6 +1,6 @@
 """A cost model profiled on the real engine, and `charioteer simulate --validate`.
 
-`ProfiledCostModel` prices a batch as a sum of per-operation terms whose coefficients come from
+`StepCostModel` prices a batch as a sum of per-operation terms whose coefficients come from
 timing the real engine (this CPU), like the paper's simulator (profile, then fit a regression):
 
     t = c_batch                                   fixed per step: scheduling, sampling, Python
@@ -36,6 +36,9 @@ from charioteer.sim.cost import CostModel
 
 FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "small_batch_tokens",
             "prefill_attention", "decode_context")
+STEP_COST_KIND = "charioteer-profiled-cost"  # the JSON tables' "kind": a step cost table, not a `tune` one
+SPREAD_CLASSES = ("prompt", "decode")  # steps that run a prompt chunk; decode-only steps
+SPREAD_QUANTILES = 41
 SMALL_BATCH_ROWS = 64  # charioteer.model.llama.PACKED_GEMM_MAX_ROWS (not imported: the simulator stays torch-free)
 
 
@@ -68,8 +71,16 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-class ProfiledCostModel(CostModel):
-    def __init__(self, coefs: dict[str, float], num_stages: int = 1, source: str = "") -> None:
+class StepCostModel(CostModel):
+    """Prices a batch by the fitted step cost (the formula above).
+
+    With `spread` (what `fit` measured: quantiles of measured / fitted time, for steps with a prompt chunk
+    and for decode-only steps), `batch_cost` multiplies each batch by a ratio drawn from those (seeded), so
+    the simulated p99s carry the step-to-step variation the real engine has; `predict` stays the fit.
+    """
+
+    def __init__(self, coefs: dict[str, float], num_stages: int = 1, source: str = "",
+                 spread: dict[str, list[float]] | None = None, seed: int = 0) -> None:
         missing = set(FEATURES) - coefs.keys()
         if missing:
             raise ValueError(f"profiled cost table lacks {', '.join(sorted(missing))}")
@@ -77,9 +88,15 @@ class ProfiledCostModel(CostModel):
         self._c = [self.coefs[k] for k in FEATURES]
         self.num_stages = num_stages
         self.source = source
+        self.spread = spread
+        if spread is not None:
+            if set(spread) != set(SPREAD_CLASSES) or any(len(q) < 2 for q in spread.values()):
+                raise ValueError(f"a step cost table's spread needs quantile lists for {', '.join(SPREAD_CLASSES)}")
+            self._spread = [np.asarray(spread[k], dtype=float) for k in SPREAD_CLASSES]
+            self._rng = np.random.default_rng(seed)
 
     @classmethod
-    def fit(cls, records: list[tuple[list, float]], num_stages: int = 1) -> "ProfiledCostModel":
+    def fit(cls, records: list[tuple[list, float]], num_stages: int = 1) -> "StepCostModel":
         if len(records) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} timed batches to fit, got {len(records)}")
         a = np.array([plan_features(p) for p, _ in records])
@@ -87,22 +104,41 @@ class ProfiledCostModel(CostModel):
         # Relative error matters (batches span 100x in time): weight rows by 1 / t.
         w = 1.0 / np.maximum(b, 1e-6)
         x = nnls(a * w[:, None], b * w)
-        return cls(dict(zip(FEATURES, x)), num_stages, source="fit")
+        ratio = b / np.maximum(a @ x, 1e-9)
+        with_prompt = a[:, 1] > 0
+        spread = {}
+        for name, rows in zip(SPREAD_CLASSES, (with_prompt, ~with_prompt)):
+            values = ratio[rows] if rows.any() else np.ones(1)
+            spread[name] = np.quantile(values, np.linspace(0, 1, SPREAD_QUANTILES)).round(4).tolist()
+        return cls(dict(zip(FEATURES, x)), num_stages, source="fit", spread=spread)
+
+    def without_spread(self) -> "StepCostModel":
+        return StepCostModel(self.coefs, self.num_stages, self.source)
 
     def predict(self, plan) -> float:
         return float(np.dot(self._c, plan_features(plan)))
 
     def batch_cost(self, plan):
-        t = sum(c * f for c, f in zip(self._c, plan_features(plan)))
+        f = plan_features(plan)
+        t = sum(c * v for c, v in zip(self._c, f))
+        if self.spread is not None:
+            q = self._spread[0 if f[1] else 1]
+            t *= float(np.interp(self._rng.random(), np.linspace(0, 1, len(q)), q))
         return [t / self.num_stages] * self.num_stages, 0.0, 0.0
 
     def to_json(self) -> str:
-        return json.dumps({"kind": "charioteer-profiled-cost", "features": list(FEATURES), "coefs": self.coefs}, indent=2)
+        return json.dumps({"kind": STEP_COST_KIND, "features": list(FEATURES), "coefs": self.coefs,
+                           "spread": self.spread}, indent=2)
 
     @classmethod
-    def from_json(cls, text: str, num_stages: int = 1) -> "ProfiledCostModel":
-        data = json.loads(text)
-        return cls(data["coefs"], num_stages, source="table")
+    def from_json(cls, text: str, num_stages: int = 1) -> "StepCostModel":
+        return cls.from_dict(json.loads(text), num_stages)
+
+    @classmethod
+    def from_dict(cls, data: dict, num_stages: int = 1) -> "StepCostModel":
+        if data.get("kind") != STEP_COST_KIND:
+            raise ValueError(f"not a step cost table (kind {data.get('kind')!r}, expected {STEP_COST_KIND!r})")
+        return cls(data["coefs"], num_stages, source="table", spread=data.get("spread"))
 
 
 # ---- driving the real engine ---------------------------------------------------------------------
@@ -110,7 +146,8 @@ class ProfiledCostModel(CostModel):
 VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
 
 
-def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str = VALIDATION_MODEL, seed: int = 0):
+def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str | None = VALIDATION_MODEL, seed: int = 0,
+               dtype: str = "float32"):
     """Run `workload` through the real engine on this CPU; return ([(plan, step seconds)], total seconds).
 
     Seconds are CPU seconds of the calling thread (see below)."""
@@ -124,7 +161,7 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
     torch.set_num_threads(1)  # steadier timings on a shared machine
     max_len = int((workload.prompt_len + workload.decode_len).max())
     engine = LLMEngine(EngineArgs(model=model, scheduler=policy, max_num_seqs=batch_cap, chunk_size=chunk_size,
-                                  kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
+                                  dtype=dtype, kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
     steps = []
     engine.subscribe(steps.append)
     rng = np.random.default_rng(seed)
@@ -171,7 +208,7 @@ def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, 
         for pol, cal in calibration_workloads:
             calibration += run_engine(cal, pol, batch_cap, chunk_size)[0]
         runs.append(run_engine(workload, policy, batch_cap, chunk_size))
-    model = ProfiledCostModel.fit(calibration)
+    model = StepCostModel.fit(calibration)
     plans = [p for p, _ in runs[0][0]]
     if any([p for p, _ in r] != plans for r, _ in runs[1:]):
         raise RuntimeError("the engine issued different batch sequences for the same workload")
@@ -180,7 +217,7 @@ def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, 
     measured_total = float(np.median([total for _, total in runs]))
     errors = [abs(model.predict(p) - t) / t for p, t in records]
     max_len = int((workload.prompt_len + workload.decode_len).max())
-    sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(), model,
+    sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(), model.without_spread(),
                     trace_batches=True)
     result = sim.run(workload)
     same_batches = [[(n, s) for n, s, _ in p] for p, _ in records] == [[(n, s) for _, s, n in b] for _, b in result.batches]

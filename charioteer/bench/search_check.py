@@ -1,0 +1,278 @@
+"""`charioteer bench search-check`: does the deployment that `simulate --search` recommends for this CPU hold
+its SLOs when the real server runs it?
+
+1. Calibrate: serve calibration workloads (other seeds; request-level, orca, and sarathi at each chunk
+   size searched) with `charioteer serve --trace-steps`, set up as the check's server will be, and fit
+   the simulator's per-step cost model on the served steps' wall times (`sim.validate.StepCostModel`,
+   with the spread of measured over fitted times, so simulated p99s see the real step-to-step
+   variation; saved as `cost_table.json`). Served steps, not the engine alone: the server's HTTP thread
+   shares the core, and its steps took about 20 % longer than in-process calibration predicted.
+2. Search: `simulate --search`'s candidates and bisection (`sim.search`) on one device with that table,
+   over the check's own requests: seeded lengths, and a seeded unit-rate Poisson arrival sequence that
+   a rate r compresses by 1/r.
+3. Serve: `charioteer serve` runs the best configuration, pinned to core 0 with one thread, while the
+   client (this process) runs on the other cores. The same requests are sent at the same arrival times
+   (token-id prompts of the exact lengths, EOS ignored), at the predicted capacity and at --over times it,
+   interleaved, --repeats rounds. This machine's speed drifts by 10-20 % over minutes, so a rate is
+   judged by the median over the rounds of each p99 (TTFT, and ITL, the time between tokens): the
+   recommendation is confirmed when both medians hold at the capacity and one fails at --over x it.
+   Each round's p99s, and how fast its served steps ran against the fitted table, are reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from charioteer.bench.common import choices, format_table, int_list, progress_bar
+from charioteer.config import add_setting_args, check_settings
+
+SEARCH_POLICIES = ("sarathi", "orca", "vllm", "request-level")
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Run this thread (and the torch threads it starts) on `cpus`; None leaves it as it is."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def core_split() -> tuple[set[int] | None, set[int] | None]:
+    """(server cores, client cores): the first core for the server, the rest for the client; no pinning on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    return {cores[0]}, set(cores[1:])
+
+
+def bench_requests(workload, vocab_size: int, seed: int) -> list:
+    """Token-id prompts of the workload's exact prompt lengths, max_tokens its output lengths."""
+    from charioteer.bench.serve import BenchRequest
+
+    rng = np.random.default_rng(seed)
+    lo, hi = min(1000, vocab_size // 2), min(20000, vocab_size)  # ordinary tokens: past the specials
+    return [BenchRequest(rng.integers(lo, hi, int(p)).tolist(), int(p), int(d))
+            for p, d in zip(workload.prompt_len, workload.decode_len)]
+
+
+def calibrate(args, workload_spec, vocab_size: int, cpus: tuple) -> "StepCostModel":  # noqa: F821
+    """Fit the step cost model on served steps: each calibration run starts a server (as the check's will be
+    started) that writes its step records (`serve --trace-steps`), and sends its requests all at once."""
+    from dataclasses import replace
+
+    from charioteer.sim.validate import StepCostModel
+    from charioteer.sim.workload import make_workload
+
+    cap = max(args.batch_caps)
+    runs = [("request-level", None), ("orca", None)]
+    if "sarathi" in args.policies:
+        runs += [("sarathi", c) for c in sorted(set(args.chunk_sizes))]
+    records = []
+    with progress_bar(len(runs), "calibrating") as bar:
+        for i, (policy, chunk) in enumerate(runs):
+            seed = args.seed + 100 + i
+            workload = make_workload(replace(workload_spec, num_requests=max(8, workload_spec.num_requests // 4),
+                                             seed=seed))
+            trace = os.path.join(args.out, f"calibration-{policy}{chunk or ''}.jsonl")
+            served = serve_requests(args, policy, cap, chunk, bench_requests(workload, vocab_size, seed),
+                                    [np.zeros(len(workload))], cpus, trace=trace)
+            records += [(step.plan(), step.duration_s) for step in served["steps"][0]]
+            bar.update(1)
+    return StepCostModel.fit(records)
+
+
+def search(args, workload, unit_arrivals, table_path: str, engine_shape) -> tuple[dict, list[dict]]:
+    from charioteer.sim.search import SLO, SearchJob, SearchSpace, best_config, candidates, run_search
+    from charioteer.sim.specs import ClusterConfig, hardware_spec
+
+    job = SearchJob(engine_shape, hardware_spec("a100-80gb"), ClusterConfig(), workload.prompt_len, workload.decode_len,
+                    unit_arrivals, workload.max_seq_len, SLO(args.slo_ttft, args.slo_tbt), cost_table=table_path)
+    # The device's memory only resolves 'max' caps; every cap here is a number, and SmolLM2's KV fits any of them.
+    space = SearchSpace(1, (1,), (1,), tuple(args.policies), tuple(args.chunk_sizes), tuple(args.batch_caps), 1)
+    found, _ = candidates(job, space)
+    with progress_bar(len(found), "searching") as bar:
+        configs = run_search(job, found, workers=os.cpu_count() or 1, progress=bar)
+    best = best_config(configs)
+    if best is None:
+        raise RuntimeError("no configuration holds the SLOs at any rate in the simulator: loosen --slo-ttft/--slo-tbt")
+    return best, configs
+
+
+def serve_requests(args, policy: str, batch_cap: int, chunk_size: int | None, requests: list, arrivals: list,
+                   cpus: tuple, trace: str | None = None, bar=None) -> dict:
+    """Start `charioteer serve` (policy, cap, chunk; reserved KV; pinned to the server's cores), warm it up,
+    then send `requests` once per arrival-offset array in `arrivals`; the summaries of those runs."""
+    from charioteer.bench.serve import ServerProcess, served_model, summarize, run_requests
+
+    server_cpus, client_cpus = cpus
+    flags = ["--scheduler", policy, "--max-num-seqs", str(batch_cap), "--kv-policy", "reserve", "--dtype", args.dtype]
+    flags += ["--model", args.model] if args.model else []
+    flags += ["--chunk-size", str(chunk_size)] if chunk_size else []
+    flags += ["--trace-steps", trace] if trace else []
+    out = {"runs": []}
+    with ServerProcess(flags, cpus=server_cpus) as server, pinned(client_cpus):
+        model = served_model(server.url, None)
+
+        def send(reqs, offsets) -> dict:
+            results, duration = asyncio.run(run_requests(server.url, model, reqs, offsets=offsets, ignore_eos=True,
+                                                         progress=False))
+            return summarize(results, duration)
+
+        send(requests[:4], np.zeros(min(4, len(requests))))  # warm-up: allocator, first touch
+        marks = [_lines(trace)] if trace else []  # a step's line is written before its tokens are sent
+        for offsets in arrivals:
+            out["runs"].append(send(requests, offsets))
+            if trace:
+                marks.append(_lines(trace))
+            if bar is not None:
+                bar.update(1)
+    if trace:
+        from charioteer.engine.trace import load_trace
+
+        steps = load_trace(trace)
+        out["steps"] = [steps[a:b] for a, b in zip(marks, marks[1:])]  # each run's step records
+    return out
+
+
+def rate_verdict(rounds: list[dict], args) -> dict:
+    """One rate's rounds: the median of each p99, and whether both medians hold (no failed request anywhere)."""
+    ttft = float(np.median([x["p99_ttft_ms"] for x in rounds]))
+    itl = float(np.median([x["p99_itl_ms"] for x in rounds]))
+    holds = ttft <= 1e3 * args.slo_ttft and itl <= 1e3 * args.slo_tbt and not any(x["failed"] for x in rounds)
+    return {"p99_ttft_ms": ttft, "p99_itl_ms": itl, "slos_hold": holds, "rounds": len(rounds),
+            "rounds_held": sum(x["slos_hold"] for x in rounds)}
+
+
+def steps_over_fit(steps, table) -> dict:
+    """Median served step time over the fitted cost (the search priced steps at the fit times its spread),
+    for steps with a prompt chunk and for decode-only steps."""
+    out = {}
+    for name, prompt in (("prompt_steps_over_fit", True), ("decode_steps_over_fit", False)):
+        ratios = [st.duration_s / table.predict(st.plan()) for st in steps if (st.num_prefill_tokens > 0) == prompt]
+        out[name] = round(float(np.median(ratios)), 3) if ratios else None
+    return out
+
+
+def _lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def cmd_bench_search_check(args) -> int:
+    check_settings(args)
+    for flag in ("slo_ttft", "slo_tbt"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if not args.over > 1 or args.repeats < 1 or args.num_requests < 8:
+        raise ValueError("need --over > 1, --repeats >= 1 and --num-requests >= 8")
+    args.policies = choices(args.policies, SEARCH_POLICIES, "--policies")
+    from charioteer.model.loader import load_model
+    from charioteer.sim.search import unit_poisson_arrivals
+    from charioteer.sim.specs import ModelShape
+    from charioteer.sim.workload import WorkloadSpec, make_workload
+
+    t0 = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    config = load_model(args.model).config
+    shape = ModelShape(config.name, config.num_layers, config.hidden_size, config.intermediate_size,
+                       config.num_heads, config.num_kv_heads, config.vocab_size)
+    wspec = WorkloadSpec(num_requests=args.num_requests, lengths="zipf", min_len=args.min_len, max_len=args.max_len,
+                         theta=0.4, pd_ratio=args.pd_ratio, seed=args.seed)
+    workload = make_workload(wspec)
+    unit = unit_poisson_arrivals(len(workload), args.seed)
+
+    cpus = core_split()
+    table = calibrate(args, wspec, config.vocab_size, cpus)
+    table_path = os.path.join(args.out, "cost_table.json")
+    with open(table_path, "w") as f:
+        f.write(table.to_json())
+    best, configs = search(args, workload, unit, table_path, shape)
+    rate = best["capacity_qps"]
+
+    requests = bench_requests(workload, config.vocab_size, args.seed)
+    factors = [1.0, args.over] * args.repeats  # interleaved: drift reaches both rates alike
+    with progress_bar(len(factors), "serving") as bar:
+        served = serve_requests(args, best["policy"], best["batch_cap"], best["chunk_size"], requests,
+                                [unit / (rate * f) for f in factors], cpus,
+                                trace=os.path.join(args.out, "check.jsonl"), bar=bar)
+    rounds = []
+    for i, (factor, m, steps) in enumerate(zip(factors, served["runs"], served["steps"])):
+        holds = (m["failed_requests"] == 0 and m["p99_ttft_ms"] <= 1e3 * args.slo_ttft
+                 and m["p99_itl_ms"] <= 1e3 * args.slo_tbt)
+        rounds.append({"round": i // 2 + 1, "rate_factor": factor, "rate_qps": round(rate * factor, 4),
+                       "p99_ttft_ms": round(m["p99_ttft_ms"], 1), "p99_itl_ms": round(m["p99_itl_ms"], 1),
+                       "failed": m["failed_requests"], "slos_hold": holds, **steps_over_fit(steps, table)})
+    verdicts = {factor: rate_verdict([x for x in rounds if x["rate_factor"] == factor], args)
+                for factor in (1.0, args.over)}
+    result = {
+        "model": config.name, "dtype": args.dtype, "cpu": _cpu_name(), "server_cpus": sorted(cpus[0] or []),
+        "num_requests": len(workload), "lengths": f"zipf {args.min_len}-{args.max_len}, P:D {args.pd_ratio:g}",
+        "slo": {"ttft_p99_s": args.slo_ttft, "tbt_p99_s": args.slo_tbt},
+        "cost_table": table.coefs, "best": best, "configs": configs, "rounds": rounds,
+        "at_capacity": verdicts[1.0], "above": verdicts[args.over],
+        "confirmed": verdicts[1.0]["slos_hold"] and not verdicts[args.over]["slos_hold"],
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    with open(os.path.join(args.out, "search_check.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{config.name} ({args.dtype}) on {result['cpu']}; {len(workload)} requests, {result['lengths']}; "
+          f"SLOs p99 TTFT <= {args.slo_ttft} s, p99 TBT <= {args.slo_tbt} s")
+    print(format_table(sorted(configs, key=lambda c: -c["capacity_qps"]),
+                       ["policy", "chunk_size", "batch_cap", "capacity_qps", "ttft_p99_s", "tbt_p99_s", "limit"]))
+    chunk = f" C={best['chunk_size']}" if best["chunk_size"] else ""
+    print(f"recommended: {best['policy']}{chunk} B={best['batch_cap']}, predicted capacity {rate:.3f} req/s")
+    print(format_table(rounds, ["round", "rate_factor", "rate_qps", "p99_ttft_ms", "p99_itl_ms", "failed",
+                                "prompt_steps_over_fit", "decode_steps_over_fit", "slos_hold"]))
+    for factor, v in verdicts.items():
+        print(f"at {factor:g}x: median p99 TTFT {v['p99_ttft_ms']:.0f} ms, median p99 ITL {v['p99_itl_ms']:.0f} ms -> "
+              f"{'hold' if v['slos_hold'] else 'lost'} (held in {v['rounds_held']} of {v['rounds']} rounds)")
+    print(f"{'confirmed' if result['confirmed'] else 'NOT confirmed'}  ({result['wall_s']:.0f} s; {args.out})")
+    return 0
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def add_search_check_bench(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "search-check", help="check `simulate --search`'s recommendation for this CPU on the real server",
+        description="Fit the simulator's step cost model on this CPU, search policy / chunk size / batch cap for "
+                    "the highest rate that holds the SLOs, then run `charioteer serve` with the recommendation at "
+                    "that rate and at --over times it.")
+    add_setting_args(p, ["model", "dtype"])
+    p.add_argument("--slo-ttft", type=float, default=3.0, help="p99 time to first token, s (default: 3)")
+    p.add_argument("--slo-tbt", type=float, default=0.4, help="p99 time between tokens, s (default: 0.4)")
+    p.add_argument("--policies", default="sarathi,orca,vllm", help="policies searched (default: sarathi,orca,vllm)")
+    p.add_argument("--chunk-sizes", type=int_list, default=[32, 64, 128], help="sarathi's C (default: 32,64,128)")
+    p.add_argument("--batch-caps", type=int_list, default=[4, 8, 16], help="max_num_seqs (default: 4,8,16)")
+    p.add_argument("--num-requests", type=int, default=100, help="requests per run (default: 100)")
+    p.add_argument("--min-len", type=int, default=48, help="shortest request, prompt + output tokens (default: 48)")
+    p.add_argument("--max-len", type=int, default=320, help="longest request (default: 320)")
+    p.add_argument("--pd-ratio", type=float, default=2.0, help="prompt : output tokens (default: 2)")
+    p.add_argument("--over", type=float, default=1.3, help="the rate that must lose the SLOs, x capacity (default: 1.3)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (capacity, --over x capacity) (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (default: 0)")
+    p.add_argument("--out", default="search-check", help="folder for cost_table.json and search_check.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.set_defaults(func=cmd_bench_search_check)
