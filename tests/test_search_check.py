@@ -97,12 +97,14 @@ def test_search_check_runs_calibration_search_and_the_real_server(tmp_path, caps
                "--slo-ttft", "5", "--slo-tbt", "1", "--out", str(tmp_path), "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
-    assert {c["policy"] for c in r["configs"]} == {"sarathi", "orca"} and r["best"] in r["configs"]
+    (search,) = r["searches"]
+    assert {c["policy"] for c in search["configs"]} == {"sarathi", "orca"} and search["best"] in search["configs"]
     assert [x["rate_factor"] for x in r["rounds"]] == [1.0, 1.3]
+    assert r["rounds"][1]["rate_qps"] == pytest.approx(1.3 * search["best"]["capacity_qps"], rel=1e-3)
     assert all(x["failed"] == 0 and x["p99_ttft_ms"] > 0 for x in r["rounds"])  # (the tiny model streams no text)
     assert r["confirmed"] == (r["at_capacity"]["slos_hold"] and not r["above"]["slos_hold"])
-    table = StepCostModel.from_json((tmp_path / "cost_table.json").read_text())
-    assert table.spread is not None and table.coefs == r["cost_table"]
+    table = StepCostModel.from_json((tmp_path / "r1-cost_table.json").read_text())
+    assert table.spread is not None and table.coefs == search["cost_table"]
     assert json.loads((tmp_path / "search_check.json").read_text())["rounds"] == r["rounds"]
 
 

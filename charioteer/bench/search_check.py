@@ -5,18 +5,19 @@ its SLOs when the real server runs it?
    size searched) with `charioteer serve --trace-steps`, set up as the check's server will be, and fit
    the simulator's per-step cost model on the served steps' wall times (`sim.validate.StepCostModel`,
    with the spread of measured over fitted times, so simulated p99s see the real step-to-step
-   variation; saved as `cost_table.json`). Served steps, not the engine alone: the server's HTTP thread
+   variation; saved as `rN-cost_table.json`). Served steps, not the engine alone: the server's HTTP thread
    shares the core, and its steps took about 20 % longer than in-process calibration predicted.
 2. Search: `simulate --search`'s candidates and bisection (`sim.search`) on one device with that table,
    over the check's own requests: seeded lengths, and a seeded unit-rate Poisson arrival sequence that
    a rate r compresses by 1/r.
 3. Serve: `charioteer serve` runs the best configuration, pinned to core 0 with one thread, while the
    client (this process) runs on the other cores. The same requests are sent at the same arrival times
-   (token-id prompts of the exact lengths, EOS ignored), at the predicted capacity and at --over times it,
-   interleaved, --repeats rounds. This machine's speed drifts by 10-20 % over minutes, so a rate is
-   judged by the median over the rounds of each p99 (TTFT, and ITL, the time between tokens): the
-   recommendation is confirmed when both medians hold at the capacity and one fails at --over x it.
-   Each round's p99s, and how fast its served steps ran against the fitted table, are reported.
+   (token-id prompts of the exact lengths, EOS ignored), at the predicted capacity and at --over times it.
+Steps 1-3 make a round, and --repeats rounds run. This machine's speed drifts by 10-25 % over
+minutes, so each round calibrates again, just before it serves, and the rates are judged by the
+median over the rounds of each p99 (TTFT, and ITL, the time between tokens): the recommendation is
+confirmed when both medians hold at the capacity and one fails at --over x it. Each round's p99s,
+and how fast its served steps ran against the table it was priced with, are reported.
 """
 from __future__ import annotations
 
@@ -67,7 +68,11 @@ def bench_requests(workload, vocab_size: int, seed: int) -> list:
             for p, d in zip(workload.prompt_len, workload.decode_len)]
 
 
-def calibrate(args, workload_spec, vocab_size: int, cpus: tuple) -> "StepCostModel":  # noqa: F821
+def config_name(c: dict) -> str:
+    return f"{c['policy']}" + (f" C={c['chunk_size']}" if c["chunk_size"] else "") + f" B={c['batch_cap']}"
+
+
+def calibrate(args, workload_spec, vocab_size: int, cpus: tuple, tag: str = "") -> "StepCostModel":  # noqa: F821
     """Fit the step cost model on served steps: each calibration run starts a server (as the check's will be
     started) that writes its step records (`serve --trace-steps`), and sends its requests all at once."""
     from dataclasses import replace
@@ -85,7 +90,7 @@ def calibrate(args, workload_spec, vocab_size: int, cpus: tuple) -> "StepCostMod
             seed = args.seed + 100 + i
             workload = make_workload(replace(workload_spec, num_requests=max(8, workload_spec.num_requests // 4),
                                              seed=seed))
-            trace = os.path.join(args.out, f"calibration-{policy}{chunk or ''}.jsonl")
+            trace = os.path.join(args.out, f"{tag}calibration-{policy}{chunk or ''}.jsonl")
             served = serve_requests(args, policy, cap, chunk, bench_requests(workload, vocab_size, seed),
                                     [np.zeros(len(workload))], cpus, trace=trace)
             records += [(step.plan(), step.duration_s) for step in served["steps"][0]]
@@ -194,33 +199,36 @@ def cmd_bench_search_check(args) -> int:
     unit = unit_poisson_arrivals(len(workload), args.seed)
 
     cpus = core_split()
-    table = calibrate(args, wspec, config.vocab_size, cpus)
-    table_path = os.path.join(args.out, "cost_table.json")
-    with open(table_path, "w") as f:
-        f.write(table.to_json())
-    best, configs = search(args, workload, unit, table_path, shape)
-    rate = best["capacity_qps"]
-
     requests = bench_requests(workload, config.vocab_size, args.seed)
-    factors = [1.0, args.over] * args.repeats  # interleaved: drift reaches both rates alike
-    with progress_bar(len(factors), "serving") as bar:
-        served = serve_requests(args, best["policy"], best["batch_cap"], best["chunk_size"], requests,
-                                [unit / (rate * f) for f in factors], cpus,
-                                trace=os.path.join(args.out, "check.jsonl"), bar=bar)
-    rounds = []
-    for i, (factor, m, steps) in enumerate(zip(factors, served["runs"], served["steps"])):
-        holds = (m["failed_requests"] == 0 and m["p99_ttft_ms"] <= 1e3 * args.slo_ttft
-                 and m["p99_itl_ms"] <= 1e3 * args.slo_tbt)
-        rounds.append({"round": i // 2 + 1, "rate_factor": factor, "rate_qps": round(rate * factor, 4),
-                       "p99_ttft_ms": round(m["p99_ttft_ms"], 1), "p99_itl_ms": round(m["p99_itl_ms"], 1),
-                       "failed": m["failed_requests"], "slos_hold": holds, **steps_over_fit(steps, table)})
+    rounds, searches = [], []
+    for r in range(1, args.repeats + 1):
+        # Each round calibrates, searches and serves within minutes: the machine's speed drifts over longer.
+        table = calibrate(args, wspec, config.vocab_size, cpus, f"r{r}-")
+        table_path = os.path.join(args.out, f"r{r}-cost_table.json")
+        with open(table_path, "w") as f:
+            f.write(table.to_json())
+        best, configs = search(args, workload, unit, table_path, shape)
+        rate = best["capacity_qps"]
+        searches.append({"round": r, "cost_table": table.coefs, "best": best, "configs": configs})
+        factors = (1.0, args.over)
+        with progress_bar(len(factors), f"serving, round {r}") as bar:
+            served = serve_requests(args, best["policy"], best["batch_cap"], best["chunk_size"], requests,
+                                    [unit / (rate * f) for f in factors], cpus,
+                                    trace=os.path.join(args.out, f"r{r}-check.jsonl"), bar=bar)
+        for factor, m, steps in zip(factors, served["runs"], served["steps"]):
+            holds = (m["failed_requests"] == 0 and m["p99_ttft_ms"] <= 1e3 * args.slo_ttft
+                     and m["p99_itl_ms"] <= 1e3 * args.slo_tbt)
+            rounds.append({"round": r, "recommended": config_name(best), "rate_factor": factor,
+                           "rate_qps": round(rate * factor, 3), "sim_ttft_p99_ms": round(1e3 * best["ttft_p99_s"], 1),
+                           "sim_tbt_p99_ms": round(1e3 * best["tbt_p99_s"], 1),
+                           "p99_ttft_ms": round(m["p99_ttft_ms"], 1), "p99_itl_ms": round(m["p99_itl_ms"], 1),
+                           "failed": m["failed_requests"], "slos_hold": holds, **steps_over_fit(steps, table)})
     verdicts = {factor: rate_verdict([x for x in rounds if x["rate_factor"] == factor], args)
                 for factor in (1.0, args.over)}
     result = {
         "model": config.name, "dtype": args.dtype, "cpu": _cpu_name(), "server_cpus": sorted(cpus[0] or []),
         "num_requests": len(workload), "lengths": f"zipf {args.min_len}-{args.max_len}, P:D {args.pd_ratio:g}",
-        "slo": {"ttft_p99_s": args.slo_ttft, "tbt_p99_s": args.slo_tbt},
-        "cost_table": table.coefs, "best": best, "configs": configs, "rounds": rounds,
+        "slo": {"ttft_p99_s": args.slo_ttft, "tbt_p99_s": args.slo_tbt}, "searches": searches, "rounds": rounds,
         "at_capacity": verdicts[1.0], "above": verdicts[args.over],
         "confirmed": verdicts[1.0]["slos_hold"] and not verdicts[args.over]["slos_hold"],
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -232,12 +240,12 @@ def cmd_bench_search_check(args) -> int:
         return 0
     print(f"{config.name} ({args.dtype}) on {result['cpu']}; {len(workload)} requests, {result['lengths']}; "
           f"SLOs p99 TTFT <= {args.slo_ttft} s, p99 TBT <= {args.slo_tbt} s")
-    print(format_table(sorted(configs, key=lambda c: -c["capacity_qps"]),
+    print("round 1's search:")
+    print(format_table(sorted(searches[0]["configs"], key=lambda c: -c["capacity_qps"]),
                        ["policy", "chunk_size", "batch_cap", "capacity_qps", "ttft_p99_s", "tbt_p99_s", "limit"]))
-    chunk = f" C={best['chunk_size']}" if best["chunk_size"] else ""
-    print(f"recommended: {best['policy']}{chunk} B={best['batch_cap']}, predicted capacity {rate:.3f} req/s")
-    print(format_table(rounds, ["round", "rate_factor", "rate_qps", "p99_ttft_ms", "p99_itl_ms", "failed",
-                                "prompt_steps_over_fit", "decode_steps_over_fit", "slos_hold"]))
+    print(format_table(rounds, ["round", "recommended", "rate_factor", "rate_qps", "sim_ttft_p99_ms", "sim_tbt_p99_ms",
+                                "p99_ttft_ms", "p99_itl_ms", "failed", "prompt_steps_over_fit",
+                                "decode_steps_over_fit", "slos_hold"]))
     for factor, v in verdicts.items():
         print(f"at {factor:g}x: median p99 TTFT {v['p99_ttft_ms']:.0f} ms, median p99 ITL {v['p99_itl_ms']:.0f} ms -> "
               f"{'hold' if v['slos_hold'] else 'lost'} (held in {v['rounds_held']} of {v['rounds']} rounds)")
@@ -271,8 +279,9 @@ def add_search_check_bench(bench_sub) -> None:
     p.add_argument("--max-len", type=int, default=320, help="longest request (default: 320)")
     p.add_argument("--pd-ratio", type=float, default=2.0, help="prompt : output tokens (default: 2)")
     p.add_argument("--over", type=float, default=1.3, help="the rate that must lose the SLOs, x capacity (default: 1.3)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of (capacity, --over x capacity) (default: 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of calibration, search, and serving at capacity and --over x it (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (default: 0)")
-    p.add_argument("--out", default="search-check", help="folder for cost_table.json and search_check.json")
+    p.add_argument("--out", default="search-check", help="folder for each round's cost table and step traces, and search_check.json")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(func=cmd_bench_search_check)

@@ -45,8 +45,9 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--hardware", default=None, type=str.lower, choices=sorted([*HARDWARE_PRESETS, *HARDWARE_ALIASES]),
                    help=f"default: {DEFAULT_HARDWARE}")
     g.add_argument("--cost-table", default=None,
-                   help="price batches from a table measured on the real engine (`charioteer tune --save-table`) "
-                        "instead of the roofline; its model shape and device are what it measured (use --tp 1)")
+                   help="price batches from a table measured on the real engine instead of the roofline: "
+                        "`charioteer tune --save-table`'s, or the step cost table `bench search-check` fits on served "
+                        "steps; its model shape and device are what it measured (use --tp 1)")
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
