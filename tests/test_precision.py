@@ -16,14 +16,15 @@ from charioteer.model import cpu_kernels
 from charioteer.model.llama import INT8_PANEL_ROWS_FACTOR, Int8Linear
 from charioteer.model.loader import save_hf_dir
 from charioteer.model.precision import native_bf16, quantize_int8, resolve_dtype
-from test_hf_parity import CHATS, LONG_CHAT
+from test_hf_parity import CHATS
 from texts import PASSAGE
 
 NEW_TOKENS = 16
-# bf16 keeps 8 bits of mantissa: a logprob moves between two ways of summing the same row, more
-# the longer the prompt (measured between a whole and a 24-token-chunked prefill: 0 on LONG_CHAT's
-# 87 tokens, up to 0.03 on earlier commits; 0.18 on 728 tokens, which this bound would not hold).
-BF16_CHUNKED_LOGPROB_TOL = 0.15
+# bf16 keeps 8 bits of mantissa, so a logprob moves between two ways of summing the same row. Measured
+# between a whole and a 24-token-chunked prefill on Zen 3 (max |diff|, mean): 0 on LONG_CHAT's 87 tokens;
+# 0.17, 0.015 on 364; 0.18, 0.011 on 728; 0.18, 0.007 on 1456. The largest difference does not grow with
+# the prompt past a few hundred tokens; this bound is tested on 728.
+BF16_CHUNKED_LOGPROB_TOL = 0.25
 # int8 weights with fp32 activations sum in fp32, as fp32 weights do: only the order of the
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
@@ -104,14 +105,10 @@ def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model):
 @pytest.mark.parametrize("dtype, quantization, tolerance", [("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL),
                                                              ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL)])
 def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance):
-    llm = LLM(default_model)
-    if quantization == "int8":
-        # 728 tokens: the whole prefill runs the int8 weights dequantized (above the panel kernel's
-        # rows), the 24-token chunks run them in the panel kernel
-        ids = llm.tokenizer.encode(PASSAGE + " " + PASSAGE)
-        assert len(ids) > INT8_PANEL_ROWS_FACTOR * cpu_kernels.PANEL_MAX_ROWS["avx2"]
-    else:
-        ids = llm.apply_chat_template(LONG_CHAT)
+    # 728 tokens. int8: the whole prefill runs the weights dequantized (above the panel kernel's rows),
+    # the 24-token chunks run them in the panel kernel.
+    ids = LLM(default_model).tokenizer.encode(PASSAGE + " " + PASSAGE)
+    assert len(ids) > INT8_PANEL_ROWS_FACTOR * cpu_kernels.PANEL_MAX_ROWS["avx2"]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     runs = []
     for chunk in (1024, 24):
