@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -191,6 +190,7 @@ def cmd_bench_search_check(args) -> int:
     if not args.over > 1 or args.repeats < 1 or args.num_requests < 8:
         raise ValueError("need --over > 1, --repeats >= 1 and --num-requests >= 8")
     args.policies = choices(args.policies, SEARCH_POLICIES, "--policies")
+    from charioteer.bench.roofline import cpu_features, cpu_model
     from charioteer.model.loader import load_model
     from charioteer.sim.search import unit_poisson_arrivals
     from charioteer.sim.specs import ModelShape
@@ -234,7 +234,7 @@ def cmd_bench_search_check(args) -> int:
     verdicts = {factor: rate_verdict([x for x in rounds if x["rate_factor"] == factor], args)
                 for factor in (1.0, args.over)}
     result = {
-        "model": config.name, "dtype": args.dtype, "cpu": _cpu_name(), "server_cpus": sorted(cpus[0] or []),
+        "model": config.name, "dtype": args.dtype, "cpu": cpu_model(), "cpu_features": cpu_features(), "server_cpus": sorted(cpus[0] or []),
         "num_requests": len(workload), "lengths": f"zipf {args.min_len}-{args.max_len}, P:D {args.pd_ratio:g}",
         "slo": {"ttft_p99_s": args.slo_ttft, "tbt_p99_s": args.slo_tbt}, "searches": searches, "rounds": rounds,
         "at_capacity": verdicts[1.0], "above": verdicts[args.over],
@@ -246,7 +246,8 @@ def cmd_bench_search_check(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{config.name} ({args.dtype}) on {result['cpu']}; {len(workload)} requests, {result['lengths']}; "
+    print(f"{config.name} ({args.dtype}) on {result['cpu']} ({' '.join(result['cpu_features']) or 'no listed features'}); "
+          f"{len(workload)} requests, {result['lengths']}; "
           f"SLOs p99 TTFT <= {args.slo_ttft} s, p99 TBT <= {args.slo_tbt} s")
     print("round 1's search:")
     print(format_table(sorted(searches[0]["configs"], key=lambda c: -c["capacity_qps"]),
@@ -259,15 +260,6 @@ def cmd_bench_search_check(args) -> int:
               f"{'hold' if v['slos_hold'] else 'lost'} (held in {v['rounds_held']} of {v['rounds']} rounds)")
     print(f"{'confirmed' if result['confirmed'] else 'NOT confirmed'}  ({result['wall_s']:.0f} s; {args.out})")
     return 0
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def add_search_check_bench(bench_sub) -> None:
