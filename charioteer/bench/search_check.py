@@ -27,13 +27,15 @@ import contextlib
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from charioteer.bench.common import choices, format_table, int_list, progress_bar
-from charioteer.config import add_setting_args, check_settings
+from charioteer.config import SCHEDULERS, add_setting_args, check_settings
 
-SEARCH_POLICIES = ("sarathi", "orca", "vllm", "request-level")
+if TYPE_CHECKING:
+    from charioteer.sim.validate import StepCostModel
 
 
 @contextlib.contextmanager
@@ -72,7 +74,7 @@ def config_name(c: dict) -> str:
     return f"{c['policy']}" + (f" C={c['chunk_size']}" if c["chunk_size"] else "") + f" B={c['batch_cap']}"
 
 
-def calibrate(args, workload_spec, vocab_size: int, cpus: tuple, tag: str = "") -> "StepCostModel":  # noqa: F821
+def calibrate(args, workload_spec, vocab_size: int, cpus: tuple, tag: str = "") -> StepCostModel:
     """Fit the step cost model on served steps. Each calibration run starts a server (as the check's will be
     started) that writes its step records (`serve --trace-steps`) and serves its requests twice: all at
     once, then at Poisson arrivals at 0.8x the throughput that reached. The second load matters: a
@@ -126,12 +128,13 @@ def serve_requests(args, policy: str, batch_cap: int, chunk_size: int | None, re
     """Start `charioteer serve` (policy, cap, chunk; reserved KV; pinned to the server's cores), warm it up,
     then send `requests` once per item of `arrivals`: arrival offsets, or a function of the previous run's
     summary that gives them; the summaries of those runs."""
-    from charioteer.bench.serve import ServerProcess, served_model, summarize, run_requests
+    from types import SimpleNamespace
+
+    from charioteer.bench.serve import ServerProcess, run_requests, serve_args_from, served_model, summarize
 
     server_cpus, client_cpus = cpus
-    flags = ["--scheduler", policy, "--max-num-seqs", str(batch_cap), "--kv-policy", "reserve", "--dtype", args.dtype]
-    flags += ["--model", args.model] if args.model else []
-    flags += ["--chunk-size", str(chunk_size)] if chunk_size else []
+    flags = serve_args_from(SimpleNamespace(model=args.model, dtype=args.dtype, scheduler=policy, max_num_seqs=batch_cap,
+                                            chunk_size=chunk_size, kv_policy="reserve"))
     flags += ["--trace-steps", trace] if trace else []
     out = {"runs": []}
     with ServerProcess(flags, cpus=server_cpus) as server, pinned(client_cpus):
@@ -158,11 +161,15 @@ def serve_requests(args, policy: str, batch_cap: int, chunk_size: int | None, re
     return out
 
 
+def slos_hold(p99_ttft_ms: float, p99_itl_ms: float, failed: int, args) -> bool:
+    return failed == 0 and p99_ttft_ms <= 1e3 * args.slo_ttft and p99_itl_ms <= 1e3 * args.slo_tbt
+
+
 def rate_verdict(rounds: list[dict], args) -> dict:
     """One rate's rounds: the median of each p99, and whether both medians hold (no failed request anywhere)."""
     ttft = float(np.median([x["p99_ttft_ms"] for x in rounds]))
     itl = float(np.median([x["p99_itl_ms"] for x in rounds]))
-    holds = ttft <= 1e3 * args.slo_ttft and itl <= 1e3 * args.slo_tbt and not any(x["failed"] for x in rounds)
+    holds = slos_hold(ttft, itl, sum(x["failed"] for x in rounds), args)
     return {"p99_ttft_ms": ttft, "p99_itl_ms": itl, "slos_hold": holds, "rounds": len(rounds),
             "rounds_held": sum(x["slos_hold"] for x in rounds)}
 
@@ -189,7 +196,7 @@ def cmd_bench_search_check(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if not args.over > 1 or args.repeats < 1 or args.num_requests < 8:
         raise ValueError("need --over > 1, --repeats >= 1 and --num-requests >= 8")
-    args.policies = choices(args.policies, SEARCH_POLICIES, "--policies")
+    args.policies = choices(args.policies, SCHEDULERS, "--policies")
     from charioteer.bench.roofline import cpu_features, cpu_model
     from charioteer.model.loader import load_model
     from charioteer.sim.search import unit_poisson_arrivals
@@ -224,8 +231,7 @@ def cmd_bench_search_check(args) -> int:
                                     [unit / (rate * f) for f in factors], cpus,
                                     trace=os.path.join(args.out, f"r{r}-check.jsonl"), bar=bar)
         for factor, m, steps in zip(factors, served["runs"], served["steps"]):
-            holds = (m["failed_requests"] == 0 and m["p99_ttft_ms"] <= 1e3 * args.slo_ttft
-                     and m["p99_itl_ms"] <= 1e3 * args.slo_tbt)
+            holds = slos_hold(m["p99_ttft_ms"], m["p99_itl_ms"], m["failed_requests"], args)
             rounds.append({"round": r, "recommended": config_name(best), "rate_factor": factor,
                            "rate_qps": round(rate * factor, 3), "sim_ttft_p99_ms": round(1e3 * best["ttft_p99_s"], 1),
                            "sim_tbt_p99_ms": round(1e3 * best["tbt_p99_s"], 1),

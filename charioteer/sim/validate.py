@@ -146,8 +146,7 @@ class StepCostModel(CostModel):
 VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
 
 
-def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str | None = VALIDATION_MODEL, seed: int = 0,
-               dtype: str = "float32"):
+def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str = VALIDATION_MODEL, seed: int = 0):
     """Run `workload` through the real engine on this CPU; return ([(plan, step seconds)], total seconds).
 
     Seconds are CPU seconds of the calling thread (see below)."""
@@ -161,7 +160,7 @@ def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: st
     torch.set_num_threads(1)  # steadier timings on a shared machine
     max_len = int((workload.prompt_len + workload.decode_len).max())
     engine = LLMEngine(EngineArgs(model=model, scheduler=policy, max_num_seqs=batch_cap, chunk_size=chunk_size,
-                                  dtype=dtype, kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
+                                  kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
     steps = []
     engine.subscribe(steps.append)
     rng = np.random.default_rng(seed)
