@@ -5,7 +5,8 @@ import pytest
 
 from charioteer.cli import main
 from charioteer.sim.search import (SLO, Candidate, SearchJob, SearchSpace, best_config, candidates, find_capacity,
-                                   measure, pareto_front, resolve_batch_cap, unit_poisson_arrivals)
+                                   measure, next_rate, pareto_front, resolve_batch_cap, run_search,
+                                   unit_poisson_arrivals)
 from charioteer.sim.runner import run_one
 from charioteer.sim.specs import ClusterConfig, hardware_spec, model_shape
 from charioteer.sim.workload import Workload, WorkloadSpec, make_workload
@@ -38,6 +39,50 @@ def test_capacity_holds_the_slos_and_1_3x_does_not(policy, chunk, slo):
     full = run_one(job.spec(c, stop_early=False), Workload(job.unit_arrivals / over, job.prompt_len, job.decode_len))
     assert not full.summary["stopped_early"]
     assert not slo.holds(full.summary["ttft_s"]["p99"], full.summary["tbt_s"]["p99"])
+
+
+def test_miss_ratio_is_below_1_where_the_slos_hold_and_at_least_1_where_a_run_stopped():
+    job = tiny_job(SLO(ttft_p99_s=0.002, tbt_p99_s=1.0))
+    c = Candidate(1, 1, 1, "sarathi", 64, 16)
+    found = find_capacity(job, c)
+    held, lost = measure(job, c, found["capacity_qps"]), measure(job, c, 2 * found["failing_qps"])
+    assert held["holds"] and 0 <= held["miss_ratio"] < 1
+    assert lost["stopped_early"] and lost["miss_ratio"] >= 1
+
+
+def test_next_rate_lands_on_the_root_of_a_power_law_and_aims_to_close_the_bracket():
+    tol, root = 0.05, 3.0
+    ratio = lambda r: (r / root) ** 1.7  # noqa: E731
+    assert next_rate(1.0, ratio(1.0), 8.0, ratio(8.0), tol) == pytest.approx(root)
+    # Before anything held: the power law through the two failing rates, never below hi / 4.
+    assert next_rate(0.0, 0.0, 4.0, ratio(4.0), tol, above=(8.0, ratio(8.0))) == pytest.approx(root)
+    assert next_rate(0.0, 0.0, 100.0, ratio(100.0), tol, above=(200.0, ratio(200.0))) == 25.0
+    # A root this close to an end: the rate whose expected verdict leaves a bracket within the tolerance.
+    assert next_rate(2.95, ratio(2.95), 8.0, ratio(8.0), tol) == pytest.approx(2.95 / (1 - 0.9 * tol))
+    assert next_rate(1.0, ratio(1.0), 3.05, ratio(3.05), tol) == pytest.approx(3.05 * (1 - 0.9 * tol))
+    assert next_rate(1.0, ratio(1.0), 8.0, ratio(8.0), tol, guess=5.0) == 5.0  # a guess inside comes first
+    assert next_rate(1.0, 0.0, 4.0, 2.0, tol) == pytest.approx(2.0)  # nothing missed at lo: the geometric middle
+
+
+def test_a_good_guess_closes_the_bracket_in_two_runs_without_the_saturation_run():
+    job = tiny_job(SLO(ttft_p99_s=0.002, tbt_p99_s=1.0))
+    c = Candidate(1, 1, 1, "sarathi", 64, 16)
+    cold = find_capacity(job, c)
+    warm = find_capacity(job, c, guess=cold["capacity_qps"])
+    assert warm["simulations"] == 2 and warm["saturation_qps"] is None and warm["limit"] == "slo"
+    assert warm["capacity_qps"] == cold["capacity_qps"]
+    assert warm["failing_qps"] - warm["capacity_qps"] <= job.rel_tol * warm["failing_qps"]
+    assert cold["simulations"] > 2 and cold["saturation_qps"] > cold["capacity_qps"]
+    bad = find_capacity(job, c, guess=cold["saturation_qps"] * 0.9)  # a guess that fails still brackets it
+    assert bad["failing_qps"] - bad["capacity_qps"] <= job.rel_tol * bad["failing_qps"] and bad["capacity_qps"] > 0
+
+
+def test_search_results_do_not_depend_on_the_number_of_workers():
+    job = tiny_job(SLO(ttft_p99_s=0.002, tbt_p99_s=1.0), num_requests=100)
+    found, _ = candidates(job, SearchSpace(devices=2, tp=(1, 2), pp=(1,), policies=("sarathi", "orca"),
+                                           chunk_sizes=(64,), batch_caps=(16, 8)))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa: E731
+    assert strip(run_search(job, found, workers=1)) == strip(run_search(job, found, workers=2))
 
 
 def test_a_run_stops_once_its_ttft_slo_is_lost():

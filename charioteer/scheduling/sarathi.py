@@ -85,9 +85,14 @@ class SarathiScheduler(Scheduler):
             chunk = min(chunk, budget - num_decodes)
         return chunk
 
-    def _prefill_pending(self) -> bool:
-        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs) or any(
-            not r.in_flight and r.in_prefill for r in self.running)
+    def _ready_prefill(self) -> bool:
+        """Whether a running request not in flight still has prompt tokens to run."""
+        return any(not r.in_flight and r.in_prefill for r in self.running)
+
+    def _prefill_pending(self, ready_prefill: bool | None = None) -> bool:
+        if ready_prefill is None:
+            ready_prefill = self._ready_prefill()
+        return ready_prefill or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
 
     def _add_decodes(self, batch: Batch, limit: int) -> None:
         for request in self._running_decodes()[: max(limit, 0)]:
@@ -117,11 +122,13 @@ class SarathiScheduler(Scheduler):
             self._add_decodes(batch, min(cap, budget))
             self._add_prefills(batch, budget - batch.num_tokens, max_prompts=None)
             return batch
-        limit = cap - 1 if self._prefill_pending() else cap
+        ready_prefill = self._ready_prefill()
+        limit = cap - 1 if self._prefill_pending(ready_prefill) else cap
         if budget is not None:
             limit = min(limit, budget)
         self._add_decodes(batch, limit)
-        self._add_prefills(batch, self.chunk_len(len(batch)), max_prompts=self.config.max_num_partial_prefills)
+        if ready_prefill or self.waiting:  # else no prompt has a token to run (the simulator's common case)
+            self._add_prefills(batch, self.chunk_len(len(batch)), max_prompts=self.config.max_num_partial_prefills)
         return batch
 
     # ---- prompt chunks ------------------------------------------------------------------

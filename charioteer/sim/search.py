@@ -146,15 +146,29 @@ class SearchJob:
 
     def spec(self, c: Candidate, stop_early: bool = True) -> RunSpec:
         cluster = replace(self.cluster, tp=c.tp, pp=c.pp, replicas=c.replicas)
-        # p99 (numpy's linear interpolation) is above the SLO once the value at index floor(0.99 (n - 1)) of
-        # the n sorted values is: once n - that index are above it, the run can stop. A run has one TTFT
-        # per request and one gap per token after a request's first (EOS is ignored, KV reserved).
-        n, gaps = len(self.prompt_len), int(np.maximum(self.decode_len - 1, 0).sum())
-        late, slow = n - math.floor(0.99 * (n - 1)), gaps - math.floor(0.99 * max(gaps - 1, 0))
         return RunSpec(c.name, c.policy, self.model, self.hardware, cluster, chunk_size=c.chunk_size or 256,
                        batch_cap=c.batch_cap, max_seq_len=self.max_seq_len, cost_table=self.cost_table,
-                       ttft_limit=(self.slo.ttft_p99_s, late) if stop_early else None,
-                       tbt_limit=(self.slo.tbt_p99_s, slow) if stop_early and gaps else None)
+                       ttft_limit=(self.slo.ttft_p99_s, self.late_limit) if stop_early else None,
+                       tbt_limit=(self.slo.tbt_p99_s, self.slow_limit) if stop_early and self.total_gaps else None)
+
+    # p99 (numpy's linear interpolation) is above the SLO once the value at index floor(0.99 (n - 1)) of the n
+    # sorted values is: once n - that index are above it, the run can stop. A run has one TTFT per request and
+    # one gap per token after a request's first (EOS is ignored, KV reserved).
+    @property
+    def total_gaps(self) -> int:
+        return int(np.maximum(self.decode_len - 1, 0).sum())
+
+    @property
+    def late_limit(self) -> int:
+        """Requests whose first token must be late for the p99 TTFT to miss its SLO."""
+        n = len(self.prompt_len)
+        return n - math.floor(0.99 * (n - 1))
+
+    @property
+    def slow_limit(self) -> int:
+        """Gaps between tokens that must be slow for the p99 TBT to miss its SLO."""
+        gaps = self.total_gaps
+        return gaps - math.floor(0.99 * max(gaps - 1, 0))
 
 
 def unit_poisson_arrivals(n: int, seed: int) -> np.ndarray:
@@ -188,43 +202,137 @@ def candidates(job: SearchJob, space: SearchSpace) -> tuple[list[Candidate], lis
     return found, skipped
 
 
-# ---- one candidate: bisection on the rate --------------------------------------------------------
+# ---- one candidate: bisection on the rate, steered by how far each run missed --------------------
+
+
+def miss_ratios(job: SearchJob, result) -> tuple[float, float]:
+    """How close a run came to losing each SLO: (share of requests whose first token was late, share of gaps
+    between tokens that were slow), each over the share a p99 allows. Below 1 an SLO holds (up to numpy's
+    interpolation between two order statistics). A run stopped early gives its shares so far, counting a
+    request still without a first token as late once its deadline has passed."""
+    n = result.num_requests
+    ttft = result.first_token_s - result.arrival_s
+    pending = np.isnan(ttft)
+    overdue = pending & (result.arrival_s + job.slo.ttft_p99_s < result.makespan_s)
+    decided = n - int(pending.sum()) + int(overdue.sum())
+    late = int((ttft[~pending] > job.slo.ttft_p99_s).sum()) + int(overdue.sum())
+    gaps = result.tbt_s
+    slow = float((gaps > job.slo.tbt_p99_s).sum()) / gaps.size * job.total_gaps / job.slow_limit if gaps.size else 0.0
+    return late / max(decided, 1) * n / job.late_limit, slow
 
 
 def measure(job: SearchJob, c: Candidate, rate: float | None) -> dict:
     """Simulate `c` with Poisson arrivals at `rate` requests/s (None: every request at t = 0, run to its end
-    for the saturation throughput; a run at a rate stops once its TTFT SLO is lost)."""
+    for the saturation throughput; a run at a rate stops once an SLO is lost)."""
     arrivals = np.zeros_like(job.unit_arrivals) if rate is None else job.unit_arrivals / rate
-    summary = run_one(job.spec(c, stop_early=rate is not None), Workload(arrivals, job.prompt_len, job.decode_len)).summary
+    out = run_one(job.spec(c, stop_early=rate is not None), Workload(arrivals, job.prompt_len, job.decode_len))
+    summary, ratios = out.summary, miss_ratios(job, out.result)
     ttft = summary["ttft_s"]["p99"]
     tbt = summary["tbt_s"]["p99"] or 0.0  # None when no request decodes twice
     holds = not summary["stopped_early"] and job.slo.holds(ttft, tbt)
     return {"rate": rate, "ttft_p99_s": ttft, "tbt_p99_s": tbt, "holds": holds, "stopped_early": summary["stopped_early"],
-            "completion_time_s": summary["completion_time_s"]}
+            "completion_time_s": summary["completion_time_s"], **dict(zip(("ttft_ratio", "tbt_ratio"), ratios)),
+            "miss_ratio": max(ratios)}
 
 
-def find_capacity(job: SearchJob, c: Candidate) -> dict:
+# How the miss ratio grows with the rate where nothing else says: a power of about 1.5 (measured on the
+# preset's candidates: 1.2 to 1.7 near the capacity).
+PRIOR_POWER = 1.5
+
+
+def next_rate(lo: float, lo_ratio: float, hi: float | None, hi_ratio: float, rel_tol: float,
+              guess: float | None = None, above: tuple[float, float] | None = None) -> float:
+    """The next rate to simulate inside the bracket (lo holds with miss ratio lo_ratio, hi fails with
+    hi_ratio; None: nothing failed yet), aimed at the rate where the miss ratio reaches 1 and, once that
+    looks close to an end of the bracket, placed so that the expected verdict closes the bracket.
+
+    The ratio grows with the rate about as a power of it (slow gaps: the share of steps that carry a
+    prompt chunk; late first tokens: queueing), so the estimate is the power law through the two ends.
+    Before anything held it is the power law through `hi` and `above` (the failing rate before hi; the
+    power at least 1, the estimate at least hi / 4), or through the origin (at least hi / 2); before
+    anything failed, PRIOR_POWER through `lo` (at most 4 lo). `guess` (a similar configuration's
+    capacity) comes first while it is inside the bracket. A run that held without a single miss says
+    nothing about the distance: then the estimate is the geometric middle, or right above `lo` if `lo`
+    is the guess or nothing failed yet.
+    """
+    top = math.inf if hi is None else hi
+    if guess is not None and lo < guess < top:
+        estimate = guess
+    elif hi is None:
+        estimate = min(lo * lo_ratio ** (-1 / PRIOR_POWER), 4 * lo) if lo_ratio > 0 else lo
+    elif lo > 0 and lo_ratio > 0 and hi_ratio > lo_ratio:
+        estimate = lo * lo_ratio ** (-math.log(hi / lo) / math.log(hi_ratio / lo_ratio))
+    elif lo == 0:
+        power, floor = 1.0, hi / 2
+        if above is not None and above[1] > hi_ratio > 0:
+            power = max(1.0, math.log(above[1] / hi_ratio) / math.log(above[0] / hi))
+            floor = hi / 4
+        estimate = max(hi * hi_ratio ** (-1 / power), floor) if hi_ratio > 0 else hi / 2
+    elif lo == guess:
+        estimate = lo
+    else:
+        estimate = math.sqrt(lo * hi)
+    step = 0.9 * rel_tol  # a probe this close to an end closes the bracket if the verdict is the expected one
+    if estimate <= lo / (1 - step):
+        estimate = lo / (1 - step)
+    elif estimate >= top * (1 - step):
+        estimate = top * (1 - step)
+    return estimate if lo < estimate < top else (lo + top) / 2
+
+
+def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None) -> dict:
     """The highest Poisson rate at which `c` holds both SLOs, within `rel_tol` of a rate where they fail.
 
-    The bracket starts at [0, saturation], saturation being the throughput with every request
-    arriving at t = 0: no rate above it is sustainable. If the SLOs hold there too (a trace too
-    short for queues to build), the capacity is that throughput and `limit` says so.
+    Without a `guess`, the bracket starts at [0, saturation], saturation being the throughput with
+    every request arriving at t = 0: no rate above it is sustainable. If the SLOs hold there too (a
+    trace too short for queues to build), the capacity is that throughput and `limit` says so. With a
+    `guess` (a similar configuration's capacity) the guess is tried first and, if it holds, a rate
+    above it; the saturation run follows only if neither failed (else `saturation_qps` is None).
+    Inside the bracket each rate comes from `next_rate`, which uses how far the runs so far missed;
+    when two such rates in a row have not halved a bracket with a held and a failed end, the next rate
+    is its middle.
     """
     t0 = time.perf_counter()
-    saturated = measure(job, c, None)
-    saturation_qps = len(job.unit_arrivals) / saturated["completion_time_s"]
-    at_lo, lo, hi, limit, steps = None, 0.0, saturation_qps, "slo", 1
-    if saturated["holds"]:
-        at_lo, lo, hi, limit = saturated, saturation_qps, None, "throughput"
-    while hi is not None and steps <= job.max_steps and hi - lo > job.rel_tol * hi:
-        rate = hi if steps == 1 else (lo + hi) / 2  # the top of the bracket first
+    at_lo, lo, hi, limit, steps = None, 0.0, None, "slo", 0
+    lo_ratio = hi_ratio = 0.0
+    above = None  # (rate, miss ratio) of the failing run before hi
+    widths: list[float] = []
+    saturation_qps = None
+
+    def probe(rate: float) -> bool:
+        nonlocal at_lo, lo, lo_ratio, hi, hi_ratio, above, steps
         point, steps = measure(job, c, rate), steps + 1
         if point["holds"]:
-            lo, at_lo = rate, point
-            if rate == hi:
-                hi, limit = None, "throughput"
+            at_lo, lo, lo_ratio = point, rate, point["miss_ratio"]
         else:
-            hi = rate
+            if hi_ratio > 0:
+                above = (hi, hi_ratio)
+            hi, hi_ratio = rate, point["miss_ratio"]
+        return point["holds"]
+
+    if guess is not None and guess > 0 and probe(guess):
+        # The share of slow gaps grows smoothly with the rate; the share of late first tokens jumps near
+        # the capacity (queues diverge), so its ratio says little about the distance: try right above.
+        smooth = at_lo["tbt_ratio"] >= at_lo["ttft_ratio"]
+        probe(next_rate(lo, lo_ratio if smooth else 0.0, None, 0.0, job.rel_tol))
+    if hi is None:  # nothing failed yet: saturation bounds the rate
+        saturated, steps = measure(job, c, None), steps + 1
+        saturation_qps = len(job.unit_arrivals) / saturated["completion_time_s"]
+        if saturated["holds"] or saturation_qps <= lo:
+            if saturation_qps > lo:
+                at_lo, lo = saturated, saturation_qps
+            limit = "throughput"
+        elif probe(saturation_qps):  # the top of the bracket first
+            limit = "throughput"
+    while hi is not None and lo < hi and steps <= job.max_steps and hi - lo > job.rel_tol * hi:
+        if lo > 0 and len(widths) >= 3 and widths[-1] > widths[-3] / 2:
+            rate = (lo + hi) / 2
+        else:
+            rate = next_rate(lo, lo_ratio, hi, hi_ratio, job.rel_tol, guess, above)
+        probe(rate)
+        widths.append(hi - lo)
+    if limit == "throughput":
+        hi = None
     return {**asdict(c), "devices": c.devices, "capacity_qps": lo if at_lo else 0.0,
             "capacity_per_device": (lo if at_lo else 0.0) / c.devices,
             "ttft_p99_s": at_lo["ttft_p99_s"] if at_lo else None, "tbt_p99_s": at_lo["tbt_p99_s"] if at_lo else None,
@@ -232,25 +340,47 @@ def find_capacity(job: SearchJob, c: Candidate) -> dict:
             "simulations": steps, "wall_s": time.perf_counter() - t0}
 
 
-def _capacity_task(job: SearchJob, c: Candidate) -> dict:
-    return find_capacity(job, c)
+def _family(c: Candidate) -> tuple:
+    """Candidates whose capacities tend to be close: one layout, and chunked or whole prompts."""
+    return c.tp, c.pp, c.policy == "sarathi"
+
+
+def find_capacities(job: SearchJob, group: list[Candidate]) -> list[dict]:
+    """Each candidate's capacity, in order; each starts from the last capacity found for its policy in the
+    group (else the group's last), since a layout's policies and caps tend to land close together."""
+    results, last = [], {}
+    for c in group:
+        guess = last.get(c.policy, last.get(None))
+        found = find_capacity(job, c, guess=guess or None)
+        last[c.policy] = last[None] = found["capacity_qps"]
+        results.append(found)
+    return results
 
 
 def run_search(job: SearchJob, found: list[Candidate], workers: int = 1, progress=None) -> list[dict]:
-    """Every candidate's capacity, in the order of `found`; `workers` > 1 runs them in a process pool."""
+    """Every candidate's capacity, in the order of `found`. Candidates of one family (`_family`) run in
+    order in one task, each starting from its predecessor's capacity; `workers` > 1 runs the tasks in a
+    process pool, those with the most pipeline stages (the slowest to simulate) first. The results do not
+    depend on `workers`."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(found):
+        groups.setdefault(_family(c), []).append(i)
+    order = sorted(groups.values(), key=lambda g: -found[g[0]].pp)
     results: dict[int, dict] = {}
-    if workers <= 1 or len(found) <= 1:
-        for i, c in enumerate(found):
-            results[i] = find_capacity(job, c)
-            if progress is not None:
-                progress.update(1)
+
+    def collect(members: list[int], rows: list[dict]) -> None:
+        results.update(zip(members, rows))
+        if progress is not None:
+            progress.update(len(rows))
+
+    if workers <= 1 or len(order) <= 1:
+        for members in order:
+            collect(members, find_capacities(job, [found[i] for i in members]))
     else:
-        with ProcessPoolExecutor(max_workers=min(workers, len(found))) as pool:
-            futures = {pool.submit(_capacity_task, job, c): i for i, c in enumerate(found)}
+        with ProcessPoolExecutor(max_workers=min(workers, len(order))) as pool:
+            futures = {pool.submit(find_capacities, job, [found[i] for i in members]): members for members in order}
             for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                if progress is not None:
-                    progress.update(1)
+                collect(futures[future], future.result())
     return [results[i] for i in range(len(found))]
 
 

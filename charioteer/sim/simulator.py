@@ -202,6 +202,7 @@ class _Replica:
         else:  # one shared pool of pp * B requests
             capped = cluster.pp_scheduling == "shared-capped"
             self.slots = [_SchedulerSlot(setup, cap * pp, pp, batch_cap=cap if capped else None)]
+        self.one_batch_per_slot = all(slot.max_in_flight == 1 for slot in self.slots)
         self.pipeline = _Pipeline(pp)
         self.pending: deque[Request] = deque()  # dispatched here, not yet handed to a scheduler
         self.in_flight = 0  # micro-batches
@@ -392,19 +393,22 @@ class _Run:
 
     def issue(self, replica: _Replica, now: float) -> None:
         """Plan and launch micro-batches until `replica` has pp in flight or no scheduler has one to run."""
-        pp = self.pp
-        progressed = True
-        while progressed and replica.in_flight < pp:
-            progressed = False
-            for slot in replica.slots:
-                if replica.in_flight >= pp:
-                    break
-                if slot.in_flight >= slot.max_in_flight:
+        pp, slots, pending = self.pp, replica.slots, replica.pending
+        while replica.in_flight < pp:
+            launched = False
+            for slot in slots:
+                if slot.in_flight >= slot.max_in_flight or not (pending or slot.sched.has_unfinished()):
                     continue
                 batch = replica.plan(slot)
                 if batch is not None:
                     self.launch(replica, slot, batch, now)
-                    progressed = True
+                    launched = True
+                    if replica.in_flight >= pp:
+                        return
+            # Slots of one batch each (virtual engines) are all planned in one pass: a launch changes
+            # nothing another slot plans from.
+            if not launched or replica.one_batch_per_slot:
+                return
 
     def launch(self, replica: _Replica, slot: _SchedulerSlot, batch: Batch, now: float) -> None:
         """Price a planned batch, run it through the replica's stages and schedule its return."""
