@@ -1,6 +1,8 @@
 """`charioteer simulate --search`: bisection on the Poisson rate, the JSON it prints, and its errors."""
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from charioteer.cli import main
@@ -75,6 +77,27 @@ def test_a_good_guess_closes_the_bracket_in_two_runs_without_the_saturation_run(
     assert cold["simulations"] > 2 and cold["saturation_qps"] > cold["capacity_qps"]
     bad = find_capacity(job, c, guess=cold["saturation_qps"] * 0.9)  # a guess that fails still brackets it
     assert bad["failing_qps"] - bad["capacity_qps"] <= job.rel_tol * bad["failing_qps"] and bad["capacity_qps"] > 0
+
+
+def test_a_run_no_batch_cap_bound_is_the_same_under_a_smaller_cap_and_is_reused():
+    job = tiny_job(SLO(ttft_p99_s=1.0, tbt_p99_s=0.00024))
+    big = Candidate(1, 1, 1, "orca", None, 16)
+    rate = 0.1 * find_capacity(job, big)["capacity_qps"]
+    point = measure(job, big, rate)
+    small = replace(big, batch_cap=point["peak_held"] + 1)
+    assert point["peak_held"] < small.batch_cap < big.batch_cap
+    workload = Workload(job.unit_arrivals / rate, job.prompt_len, job.decode_len)
+    runs = [run_one(job.spec(c), workload) for c in (big, small)]
+    for field in ("first_token_s", "finish_s", "tbt_s", "batch_sizes", "batch_tokens", "stage_busy_s"):
+        assert np.array_equal(getattr(runs[0].result, field), getattr(runs[1].result, field)), field
+    assert measure(job, small, rate) == point
+    # A search for the smaller cap that reaches this rate takes the run from `known` instead of repeating it.
+    known = {rate: (big.batch_cap, point)}
+    found = find_capacity(job, small, guess=rate, known=known)
+    assert found["reused_runs"] == 1 and found["capacity_qps"] >= rate
+    # Under a cap the run reached, it is run again.
+    tight = replace(big, batch_cap=point["peak_held"])
+    assert find_capacity(job, tight, guess=rate, known=dict(known))["reused_runs"] == 0
 
 
 def test_search_results_do_not_depend_on_the_number_of_workers():

@@ -111,6 +111,7 @@ def summarize(spec: RunSpec, result: SimResult, batch_cap: int, wall_s: float) -
         "mfu": float(mfu),
         "preemptions": result.num_preemptions,
         "stopped_early": result.stopped_early,
+        "peak_held": result.peak_held,
         "wall_s": wall_s,
     }
 

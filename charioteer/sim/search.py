@@ -231,6 +231,7 @@ def measure(job: SearchJob, c: Candidate, rate: float | None) -> dict:
     tbt = summary["tbt_s"]["p99"] or 0.0  # None when no request decodes twice
     holds = not summary["stopped_early"] and job.slo.holds(ttft, tbt)
     return {"rate": rate, "ttft_p99_s": ttft, "tbt_p99_s": tbt, "holds": holds, "stopped_early": summary["stopped_early"],
+            "peak_held": summary["peak_held"],
             "completion_time_s": summary["completion_time_s"], **dict(zip(("ttft_ratio", "tbt_ratio"), ratios)),
             "miss_ratio": max(ratios)}
 
@@ -280,7 +281,8 @@ def next_rate(lo: float, lo_ratio: float, hi: float | None, hi_ratio: float, rel
     return estimate if lo < estimate < top else (lo + top) / 2
 
 
-def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None) -> dict:
+def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None,
+                  known: dict[float, tuple[int, dict]] | None = None) -> dict:
     """The highest Poisson rate at which `c` holds both SLOs, within `rel_tol` of a rate where they fail.
 
     Without a `guess`, the bracket starts at [0, saturation], saturation being the throughput with
@@ -291,17 +293,28 @@ def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None) -> d
     Inside the bracket each rate comes from `next_rate`, which uses how far the runs so far missed;
     when two such rates in a row have not halved a bracket with a held and a failed end, the next rate
     is its middle.
+
+    `known` maps rates already run for this candidate's layout, policy and chunk size, with another
+    batch cap, to (that cap, the run): a run whose schedulers never held as many requests as either cap
+    is the same run under both (`SimResult.peak_held`), so it is reused rather than repeated. This
+    candidate's own runs are added to it.
     """
     t0 = time.perf_counter()
-    at_lo, lo, hi, limit, steps = None, 0.0, None, "slo", 0
+    at_lo, lo, hi, limit, steps, reused = None, 0.0, None, "slo", 0, 0
     lo_ratio = hi_ratio = 0.0
     above = None  # (rate, miss ratio) of the failing run before hi
     widths: list[float] = []
     saturation_qps = None
 
     def probe(rate: float) -> bool:
-        nonlocal at_lo, lo, lo_ratio, hi, hi_ratio, above, steps
-        point, steps = measure(job, c, rate), steps + 1
+        nonlocal at_lo, lo, lo_ratio, hi, hi_ratio, above, steps, reused
+        cap, point = known.get(rate, (0, None)) if known is not None else (0, None)
+        if point is not None and point["peak_held"] < min(cap, c.batch_cap):
+            reused += 1
+        else:
+            point, steps = measure(job, c, rate), steps + 1
+            if known is not None:
+                known[rate] = (c.batch_cap, point)
         if point["holds"]:
             at_lo, lo, lo_ratio = point, rate, point["miss_ratio"]
         else:
@@ -337,7 +350,7 @@ def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None) -> d
             "capacity_per_device": (lo if at_lo else 0.0) / c.devices,
             "ttft_p99_s": at_lo["ttft_p99_s"] if at_lo else None, "tbt_p99_s": at_lo["tbt_p99_s"] if at_lo else None,
             "failing_qps": hi, "saturation_qps": saturation_qps, "limit": limit if at_lo else "slo-unmet",
-            "simulations": steps, "wall_s": time.perf_counter() - t0}
+            "simulations": steps, "reused_runs": reused, "wall_s": time.perf_counter() - t0}
 
 
 def _family(c: Candidate) -> tuple:
@@ -347,11 +360,12 @@ def _family(c: Candidate) -> tuple:
 
 def find_capacities(job: SearchJob, group: list[Candidate]) -> list[dict]:
     """Each candidate's capacity, in order; each starts from the last capacity found for its policy in the
-    group (else the group's last), since a layout's policies and caps tend to land close together."""
-    results, last = [], {}
+    group (else the group's last), since a layout's policies and caps tend to land close together, and
+    reuses the runs of the same policy and chunk size that its batch cap cannot change (`find_capacity`)."""
+    results, last, runs = [], {}, {}
     for c in group:
         guess = last.get(c.policy, last.get(None))
-        found = find_capacity(job, c, guess=guess or None)
+        found = find_capacity(job, c, guess=guess or None, known=runs.setdefault((c.policy, c.chunk_size), {}))
         last[c.policy] = last[None] = found["capacity_qps"]
         results.append(found)
     return results

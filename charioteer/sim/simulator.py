@@ -79,6 +79,10 @@ class SimResult:
     num_preemptions: int
     batches: list = field(default_factory=list)  # per batch (replica, [(request_id, start, num_tokens)]) when traced
     stopped_early: bool = False  # the run hit its `ttft_limit` or `tbt_limit` and stopped with requests unfinished
+    # The most requests one scheduler held at once (waiting and running). A run with another batch cap B
+    # plans the same batches if this stayed below both caps: no cap, KV reservation or admission check
+    # ever bound.
+    peak_held: int = 0
 
 
 class Simulator:
@@ -208,12 +212,15 @@ class _Replica:
         self.in_flight = 0  # micro-batches
         self.outstanding = 0  # requests dispatched and not finished (least-loaded dispatch)
         self.flops = 0.0
+        self.peak_held = 0  # the most requests one of its schedulers held at once
 
     def plan(self, slot: _SchedulerSlot) -> Batch | None:
         """Hand `slot` the pending requests it has room for and plan its next batch (None: none now)."""
         sched, pending = slot.sched, self.pending
-        while pending and slot.has_room():
-            sched.add_request(pending.popleft())
+        if pending and slot.has_room():
+            while pending and slot.has_room():
+                sched.add_request(pending.popleft())
+            self.peak_held = max(self.peak_held, sched.num_requests)  # only handing requests over raises it
         if not sched.has_unfinished():
             return None
         batch = sched.schedule(slot.batch_cap)
@@ -315,6 +322,7 @@ class _Tally:
             batch_prefill_tokens=np.asarray(self.prefill_tokens),
             stage_busy_s=np.array([r.pipeline.busy for r in replicas]), flops=sum(r.flops for r in replicas),
             num_preemptions=sum(e.sched.num_preemptions for r in replicas for e in r.slots),
+            peak_held=max(r.peak_held for r in replicas),
             batches=self.traced if self.traced is not None else [],
         )
 
