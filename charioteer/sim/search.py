@@ -281,8 +281,44 @@ def next_rate(lo: float, lo_ratio: float, hi: float | None, hi_ratio: float, rel
     return estimate if lo < estimate < top else (lo + top) / 2
 
 
-def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None,
-                  known: dict[float, tuple[int, dict]] | None = None) -> dict:
+@dataclass
+class _Bracket:
+    """The search's state for one candidate: the highest rate that held (`lo`, its run and miss ratio) and
+    the lowest that failed (`hi`, None before any failed; `above`: the failing rate before it)."""
+
+    lo: float = 0.0
+    lo_ratio: float = 0.0
+    at_lo: dict | None = None
+    hi: float | None = None
+    hi_ratio: float = 0.0
+    above: tuple[float, float] | None = None
+
+    def record(self, rate: float, point: dict) -> bool:
+        if point["holds"]:
+            self.lo, self.lo_ratio, self.at_lo = rate, point["miss_ratio"], point
+        else:
+            if self.hi_ratio > 0:
+                self.above = (self.hi, self.hi_ratio)
+            self.hi, self.hi_ratio = rate, point["miss_ratio"]
+        return point["holds"]
+
+
+def _measure_or_reuse(job: SearchJob, c: Candidate, rate: float, known: dict | None, counts: dict) -> dict:
+    """`measure`, unless `known` (rate -> (batch cap, run), for this layout, policy and chunk size) holds a
+    run at this rate whose schedulers never held as many requests as either cap: that run is the same
+    under both (`SimResult.peak_held`). New runs are added to `known`."""
+    cap, point = known.get(rate, (0, None)) if known is not None else (0, None)
+    if point is not None and point["peak_held"] < min(cap, c.batch_cap):
+        counts["reused_runs"] += 1
+        return point
+    counts["simulations"] += 1
+    point = measure(job, c, rate)
+    if known is not None:
+        known[rate] = (c.batch_cap, point)
+    return point
+
+
+def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None, known: dict | None = None) -> dict:
     """The highest Poisson rate at which `c` holds both SLOs, within `rel_tol` of a rate where they fail.
 
     Without a `guess`, the bracket starts at [0, saturation], saturation being the throughput with
@@ -292,65 +328,43 @@ def find_capacity(job: SearchJob, c: Candidate, guess: float | None = None,
     above it; the saturation run follows only if neither failed (else `saturation_qps` is None).
     Inside the bracket each rate comes from `next_rate`, which uses how far the runs so far missed;
     when two such rates in a row have not halved a bracket with a held and a failed end, the next rate
-    is its middle.
-
-    `known` maps rates already run for this candidate's layout, policy and chunk size, with another
-    batch cap, to (that cap, the run): a run whose schedulers never held as many requests as either cap
-    is the same run under both (`SimResult.peak_held`), so it is reused rather than repeated. This
-    candidate's own runs are added to it.
+    is its middle. Runs at a rate in `known` may be reused (`_measure_or_reuse`).
     """
     t0 = time.perf_counter()
-    at_lo, lo, hi, limit, steps, reused = None, 0.0, None, "slo", 0, 0
-    lo_ratio = hi_ratio = 0.0
-    above = None  # (rate, miss ratio) of the failing run before hi
-    widths: list[float] = []
-    saturation_qps = None
+    b, counts, widths = _Bracket(), {"simulations": 0, "reused_runs": 0}, []
+    saturation_qps, limit = None, "slo"
 
     def probe(rate: float) -> bool:
-        nonlocal at_lo, lo, lo_ratio, hi, hi_ratio, above, steps, reused
-        cap, point = known.get(rate, (0, None)) if known is not None else (0, None)
-        if point is not None and point["peak_held"] < min(cap, c.batch_cap):
-            reused += 1
-        else:
-            point, steps = measure(job, c, rate), steps + 1
-            if known is not None:
-                known[rate] = (c.batch_cap, point)
-        if point["holds"]:
-            at_lo, lo, lo_ratio = point, rate, point["miss_ratio"]
-        else:
-            if hi_ratio > 0:
-                above = (hi, hi_ratio)
-            hi, hi_ratio = rate, point["miss_ratio"]
-        return point["holds"]
+        return b.record(rate, _measure_or_reuse(job, c, rate, known, counts))
 
     if guess is not None and guess > 0 and probe(guess):
         # The share of slow gaps grows smoothly with the rate; the share of late first tokens jumps near
         # the capacity (queues diverge), so its ratio says little about the distance: try right above.
-        smooth = at_lo["tbt_ratio"] >= at_lo["ttft_ratio"]
-        probe(next_rate(lo, lo_ratio if smooth else 0.0, None, 0.0, job.rel_tol))
-    if hi is None:  # nothing failed yet: saturation bounds the rate
-        saturated, steps = measure(job, c, None), steps + 1
+        smooth = b.at_lo["tbt_ratio"] >= b.at_lo["ttft_ratio"]
+        probe(next_rate(b.lo, b.lo_ratio if smooth else 0.0, None, 0.0, job.rel_tol))
+    if b.hi is None:  # nothing failed yet: saturation bounds the rate
+        saturated = measure(job, c, None)
+        counts["simulations"] += 1
         saturation_qps = len(job.unit_arrivals) / saturated["completion_time_s"]
-        if saturated["holds"] or saturation_qps <= lo:
-            if saturation_qps > lo:
-                at_lo, lo = saturated, saturation_qps
+        if saturated["holds"] or saturation_qps <= b.lo:
+            if saturation_qps > b.lo:
+                b.lo, b.at_lo = saturation_qps, saturated
             limit = "throughput"
         elif probe(saturation_qps):  # the top of the bracket first
             limit = "throughput"
-    while hi is not None and lo < hi and steps <= job.max_steps and hi - lo > job.rel_tol * hi:
-        if lo > 0 and len(widths) >= 3 and widths[-1] > widths[-3] / 2:
-            rate = (lo + hi) / 2
+    while (limit == "slo" and b.hi is not None and counts["simulations"] <= job.max_steps
+           and b.hi - b.lo > job.rel_tol * b.hi):
+        if b.lo > 0 and len(widths) >= 3 and widths[-1] > widths[-3] / 2:
+            probe((b.lo + b.hi) / 2)
         else:
-            rate = next_rate(lo, lo_ratio, hi, hi_ratio, job.rel_tol, guess, above)
-        probe(rate)
-        widths.append(hi - lo)
-    if limit == "throughput":
-        hi = None
+            probe(next_rate(b.lo, b.lo_ratio, b.hi, b.hi_ratio, job.rel_tol, guess, b.above))
+        widths.append(b.hi - b.lo)
+    lo, at_lo = b.lo, b.at_lo
     return {**asdict(c), "devices": c.devices, "capacity_qps": lo if at_lo else 0.0,
             "capacity_per_device": (lo if at_lo else 0.0) / c.devices,
             "ttft_p99_s": at_lo["ttft_p99_s"] if at_lo else None, "tbt_p99_s": at_lo["tbt_p99_s"] if at_lo else None,
-            "failing_qps": hi, "saturation_qps": saturation_qps, "limit": limit if at_lo else "slo-unmet",
-            "simulations": steps, "reused_runs": reused, "wall_s": time.perf_counter() - t0}
+            "failing_qps": None if limit == "throughput" else b.hi, "saturation_qps": saturation_qps,
+            "limit": limit if at_lo else "slo-unmet", **counts, "wall_s": time.perf_counter() - t0}
 
 
 def _family(c: Candidate) -> tuple:
