@@ -217,10 +217,11 @@ class _Replica:
     def plan(self, slot: _SchedulerSlot) -> Batch | None:
         """Hand `slot` the pending requests it has room for and plan its next batch (None: none now)."""
         sched, pending = slot.sched, self.pending
-        if pending and slot.has_room():
-            while pending and slot.has_room():
-                sched.add_request(pending.popleft())
-            self.peak_held = max(self.peak_held, sched.num_requests)  # only handing requests over raises it
+        num_pending = len(pending)
+        while pending and slot.has_room():
+            sched.add_request(pending.popleft())
+        if len(pending) < num_pending:  # only handing requests over raises what the scheduler holds
+            self.peak_held = max(self.peak_held, sched.num_requests)
         if not sched.has_unfinished():
             return None
         batch = sched.schedule(slot.batch_cap)
