@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from charioteer.model import cpu_kernels
-from charioteer.model.llama import INT8_PANEL_ROWS_FACTOR, Int8Linear, Linear
+from charioteer.model.llama import NARROW_PANEL_ROWS_FACTOR, Int8Linear, Linear
 from charioteer.model.precision import quantize_int8
 
 # Every build, skipped (with the reason) where this CPU cannot execute it or it does not build.
@@ -128,12 +128,12 @@ def test_linear_routes_by_rows():
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 def test_int8_linear_routes_by_rows():
-    """int8 weights run on the panel kernel up to INT8_PANEL_ROWS_FACTOR times its fp32 row limit,
+    """int8 weights run on the panel kernel up to NARROW_PANEL_ROWS_FACTOR times its fp32 row limit,
     then dequantized through one fp32 GEMM; without the kernels, through torch's int8 GEMM."""
     w = torch.randn(96, 128)
     lin = Int8Linear(w, torch.float32, panel_rows=cpu_kernels.max_rows())
     exact = lin.weight.float() * lin.scale[:, None]
-    limit = cpu_kernels.max_rows() * INT8_PANEL_ROWS_FACTOR
+    limit = cpu_kernels.max_rows() * NARROW_PANEL_ROWS_FACTOR
     small = torch.randn(limit, 128)
     assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96, lin.scale))
     large = torch.randn(limit + 1, 128)
@@ -159,11 +159,13 @@ def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
 @each_isa
 @settings(max_examples=40, deadline=None)
 @given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 6, 8]),
-       dim=st.sampled_from(cpu_kernels.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1))
-def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed, isa):
+       dim=st.sampled_from(cpu_kernels.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       cache_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed, cache_dtype, isa):
+    """A bf16 cache is widened exactly: its result is its widened values' (widened bf16, precision.py)."""
     g = torch.Generator().manual_seed(seed)
     num_slots = decodes * width + 1
-    k_cache, v_cache = torch.randn(num_slots, kv_heads, dim, generator=g), torch.randn(num_slots, kv_heads, dim, generator=g)
+    k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=g).to(cache_dtype) for _ in range(2))
     # q as the model passes it: a strided view of the fused QKV rows (peaked softmaxes too)
     q = (torch.randn(decodes, kv_heads * group + 2, dim, generator=g) * 3)[:, 1:1 + kv_heads * group]
     lengths = torch.randint(1, width + 1, (decodes,), generator=g)
@@ -171,6 +173,7 @@ def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, 
     slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
     out = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, isa=isa)
     torch.testing.assert_close(out, _sdpa_reference(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
+    assert out.dtype == torch.float32
     into = torch.full((decodes + 1, *q.shape[1:]), float("nan"))
     assert cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, out=into[1:],
                                         isa=isa) is not None
@@ -198,18 +201,23 @@ def test_decode_attention_ignores_padding_and_refuses_bad_slots(isa):
 
 
 @each_isa
-def test_store_kv_is_index_copy(isa):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_is_index_copy(cache_dtype, isa):
+    """fp32 rows into an fp32 cache, or rounded into a bf16 one as torch's .to() rounds them."""
     g = torch.Generator().manual_seed(3)
-    k_cache, v_cache = torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64, generator=g)
+    k_cache, v_cache = (torch.randn(20, 3, 64, generator=g).to(cache_dtype) for _ in range(2))
     qkv = torch.randn(5, 15, 64, generator=g)  # 9 query heads, then K and V: strided rows
+    qkv[0, 9, :4] = torch.tensor([float("nan"), float("inf"), 1 + 2 ** -8, 1 + 3 * 2 ** -8])  # ties round to even
     k, v = qkv[:, 9:12], qkv[:, 12:]
     slots = torch.tensor([7, 0, 19, 3, 8])
-    want_k, want_v = k_cache.clone().index_copy_(0, slots, k), v_cache.clone().index_copy_(0, slots, v)
+    want_k = k_cache.clone().index_copy_(0, slots, k.to(cache_dtype))
+    want_v = v_cache.clone().index_copy_(0, slots, v.to(cache_dtype))
     cpu_kernels.store_kv(k_cache, v_cache, slots, k, v, isa=isa)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
+    assert torch.equal(v_cache, want_v)
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_kernels.store_kv(k_cache, v_cache, torch.tensor([7, 0, 20, 3, 8]), k, v, isa=isa)
-    assert torch.equal(k_cache, want_k)  # refused before anything was written
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())  # refused before anything was written
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
         cpu_kernels.store_kv(k_cache, v_cache, slots[:4], k, v, isa=isa)
 

@@ -13,9 +13,9 @@ import transformers
 from charioteer import LLM, SamplingParams
 from charioteer.config import EngineArgs
 from charioteer.model import cpu_kernels
-from charioteer.model.llama import INT8_PANEL_ROWS_FACTOR, Int8Linear
+from charioteer.model.llama import NARROW_PANEL_ROWS_FACTOR, Int8Linear
 from charioteer.model.loader import save_hf_dir
-from charioteer.model.precision import native_bf16, quantize_int8, resolve_dtype
+from charioteer.model.precision import bf16_compute, native_bf16, quantize_int8, resolve_dtype
 from test_hf_parity import CHATS
 from texts import PASSAGE
 
@@ -41,6 +41,27 @@ def test_auto_takes_bf16_only_where_the_cpu_computes_it():
     assert resolve_dtype("auto", cpu, flags={"amx_bf16", "amx_tile"}) == torch.bfloat16
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native_bf16(cpu) else torch.float32)
     assert resolve_dtype("bfloat16", cpu, flags=set()) == torch.bfloat16
+
+
+def test_bf16_computes_widened_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("CHARIOTEER_BF16_COMPUTE", raising=False)
+    assert bf16_compute(cpu, flags={"avx2", "fma"}) == "widened"
+    assert bf16_compute(cpu, flags={"avx512f", "amx_bf16"}) == "torch"
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
+    assert bf16_compute(cpu, flags={"amx_bf16"}) == "widened"
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "torch")
+    assert bf16_compute(cpu, flags={"avx2"}) == "torch"
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "fp16")
+    with pytest.raises(ValueError, match="CHARIOTEER_BF16_COMPUTE=fp16 is none of auto, widened, torch"):
+        bf16_compute(cpu)
+
+
+# Both ways bf16 runs, where this machine runs each: torch's bf16 ops, and widened (bf16 weights
+# and KV, fp32 activations in the CPU kernels).
+each_bf16_compute = pytest.mark.parametrize("compute", [
+    "torch", pytest.param("widened", marks=pytest.mark.skipif(not cpu_kernels.available(),
+                                                             reason="widened bf16 runs in the CPU kernels"))])
 
 
 def test_bad_precision_settings_say_what_to_change():
@@ -91,39 +112,53 @@ def _agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
     return same / sum(map(len, reference))
 
 
-def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model):
+@each_bf16_compute
+def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model, compute, monkeypatch):
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", compute)
     fp32 = LLM(default_model, num_kv_blocks=64)
     bf16 = LLM(default_model, num_kv_blocks=64, dtype="bfloat16")
+    model = bf16.engine.model
+    assert model.kernels.widened_bf16 == (compute == "widened")
+    assert model.activation_dtype == (torch.float32 if compute == "widened" else torch.bfloat16)
     cap32, cap16 = fp32.engine.capacity(), bf16.engine.capacity()
     assert (cap32["dtype"], cap16["dtype"]) == ("float32", "bfloat16")
     assert cap16["kv_bytes_per_token"] * 2 == cap32["kv_bytes_per_token"]
     assert bf16.engine.runner.kv.data.dtype == torch.bfloat16
     assert bf16.engine.model.linears[0]["qkv"].weight.dtype == torch.bfloat16
-    assert cap16["weight_bytes"] * 2 == cap32["weight_bytes"]
+    # widened bf16 keeps the norms' weights (0.03 % of the model) in the activations' fp32
+    assert cap32["weight_bytes"] <= cap16["weight_bytes"] * 2 <= cap32["weight_bytes"] * 1.001
 
 
-@pytest.mark.parametrize("dtype, quantization, tolerance", [("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL),
-                                                             ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL)])
-def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance):
+@pytest.mark.parametrize("dtype, quantization, tolerance, compute", [
+    ("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "torch"),
+    pytest.param("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "widened",
+                 marks=pytest.mark.skipif(not cpu_kernels.available(), reason="widened bf16 runs in the CPU kernels")),
+    ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL, "auto")])
+def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance, compute,
+                                                                 monkeypatch):
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", compute)
     # 728 tokens. int8: the whole prefill runs the weights dequantized (above the panel kernel's rows),
     # the 24-token chunks run them in the panel kernel.
     ids = LLM(default_model).tokenizer.encode(PASSAGE + " " + PASSAGE)
-    assert len(ids) > INT8_PANEL_ROWS_FACTOR * cpu_kernels.PANEL_MAX_ROWS["avx2"]
+    assert len(ids) > NARROW_PANEL_ROWS_FACTOR * cpu_kernels.PANEL_MAX_ROWS["avx2"]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     runs = []
     for chunk in (1024, 24):
         out = LLM(default_model, dtype=dtype, quantization=quantization, chunk_size=chunk).generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
     diff = max(abs(a - b) for a, b in zip(*runs))
-    print(f"\n[{dtype}, {quantization}] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.2g}")
+    print(f"\n[{dtype}, {quantization}, {compute}] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.2g}")
     assert diff < tolerance
 
 
-def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp32_tokens, tmp_path):
+@each_bf16_compute
+def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp32_tokens, tmp_path, compute,
+                                                      monkeypatch):
     # From a safetensors folder of the same weights: transformers keeps a GGUF's weights quantized
     # and computes in fp32 whatever dtype it is given, which would not be bf16 at all.
     save_hf_dir(default_model, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", compute)
     ours = _greedy(LLM(default_model, dtype="bfloat16", chunk_size=16), prompts)
     reference = []
     with torch.inference_mode():
@@ -133,7 +168,7 @@ def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp
                               eos_token_id=None)
             reference.append(out[0, len(p):].tolist())
     with_hf, with_fp32 = _agreement(reference, ours), _agreement(fp32_tokens, ours)
-    print(f"\n[bf16] greedy agreement: {with_hf:.2f} with transformers bf16, {with_fp32:.2f} with our fp32, "
+    print(f"\n[bf16, {compute}] greedy agreement: {with_hf:.2f} with transformers bf16, {with_fp32:.2f} with our fp32, "
           f"transformers bf16 with our fp32 {_agreement(fp32_tokens, reference):.2f}")
     assert with_hf >= MIN_BF16_AGREEMENT_WITH_HF_BF16
 
@@ -143,8 +178,11 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
     weights = llm.engine.model.linears[0]["gate_up"]
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
-    # fp32 activations run the int8 panel kernel where the CPU kernels are; bf16 ones torch's int8 GEMM
-    assert (weights.panels is not None) == (dtype == "float32" and cpu_kernels.available())
+    # fp32 activations (also widened bf16's) run the int8 panel kernel where the CPU kernels are; bf16
+    # ones torch's int8 GEMM
+    fp32_activations = llm.engine.model.activation_dtype == torch.float32
+    assert fp32_activations == (dtype == "float32" or llm.engine.model.kernels.widened_bf16)
+    assert (weights.panels is not None) == (fp32_activations and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
     print(f"\n[int8, {dtype} activations] greedy agreement with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32

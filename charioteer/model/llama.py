@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
-from charioteer.model.precision import QUANTIZATIONS, quantize_int8
+from charioteer.model.precision import QUANTIZATIONS, bf16_compute, quantize_int8
 from charioteer.runtime import tune_allocator
 
 
@@ -136,40 +136,54 @@ class Linear:
         return self.weight.numel() * self.weight.element_size()
 
 
-# Up to how many times the fp32 panel kernel's row limit the int8 weights stay in the panel
-# kernel. Its alternative above the limit writes and reads an fp32 copy of the weight first: on
-# Zen 3 (AVX2) the panel kernel is 1.1-1.9x faster than that at 256 rows of SmolLM2's and the LM
-# head's shapes, 0.96-1.3x at 512, and 0.6-1.0x at 1024. Not measured on AVX-512.
-INT8_PANEL_ROWS_FACTOR = 4
+# Up to how many times the fp32 panel kernel's row limit narrow weights (int8, or bf16 under fp32
+# activations) stay in the panel kernel. Its alternative above the limit writes and reads an fp32
+# copy of the weight first: on Zen 3 (AVX2), for int8, the panel kernel is 1.1-1.9x faster than
+# that at 256 rows of SmolLM2's and the LM head's shapes, 0.96-1.3x at 512, and 0.6-1.0x at 1024.
+# Not measured on AVX-512.
+NARROW_PANEL_ROWS_FACTOR = 4
 
 
-class Int8Linear:
-    """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
-
-    With the CPU kernels (fp32 activations, `panel_rows` > 0) the panel GEMM widens q in registers,
-    reading a quarter of fp32's bytes, for up to INT8_PANEL_ROWS_FACTOR * panel_rows rows; above
-    that, q is dequantized for one fp32 GEMM. Without them, torch's weight-only int8 GEMM runs,
-    which on an AVX2 CPU is 5-40x slower than the fp32 panel kernel on the same shape.
-    """
+class NarrowLinear:
+    """y = x @ w.T with w stored narrower than x and widened to fp32 in the panel kernel's registers,
+    so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
+    NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM."""
 
     __slots__ = ("weight", "scale", "panels", "panel_rows")
 
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int) -> None:
+        self.weight, self.scale = weight, scale
+        self.panels = cpu_kernels.pack(weight) if panel_rows else None
+        self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.panel_rows:
+            return cpu_kernels.linear(x, self.panels, self.weight.shape[0], self.scale)
+        weight = self.weight.float()
+        return F.linear(x, weight if self.scale is None else weight * self.scale[:, None])
+
+    @property
+    def nbytes(self) -> int:
+        scale_bytes = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.weight.numel() * self.weight.element_size() + scale_bytes
+
+
+class Int8Linear(NarrowLinear):
+    """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
+
+    With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear. Without
+    them, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is 5-40x slower than the fp32
+    panel kernel on the same shape.
+    """
+
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0) -> None:
-        self.weight, scale = quantize_int8(weight)
-        self.scale = scale.to(dtype)
-        self.panels = cpu_kernels.pack(self.weight) if panel_rows else None
-        self.panel_rows = panel_rows * INT8_PANEL_ROWS_FACTOR
+        q, scale = quantize_int8(weight)
+        super().__init__(q, scale.to(dtype), panel_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
-        if x.shape[0] <= self.panel_rows:
-            return cpu_kernels.linear(x, self.panels, self.weight.shape[0], self.scale)
-        return F.linear(x, self.weight.float() * self.scale[:, None])
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() + self.scale.numel() * self.scale.element_size()
+        return super().__call__(x)
 
 
 class TorchRowOps:
@@ -227,10 +241,13 @@ class Kernels:
     decode_attention: bool  # cpu_kernels.decode_attention for a batch's decodes
     decode_layers: bool  # a decode-only batch's every layer in one C++ call of the kernels above
     invariant: str | None = None  # batch-invariant mode's path ("native" or "portable"), else None
+    widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
             raise ValueError("decode_layers runs the native row ops and decode attention: it needs both")
+        if self.widened_bf16 and not (self.panel_rows and self.row_ops and self.decode_attention):
+            raise ValueError("widened bf16 runs the panel GEMM, the native row ops and decode attention: it needs all")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -238,23 +255,32 @@ class Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
         GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them take fp32
-        activations only; the panel GEMM also takes int8 weights (Int8Linear), MKL's does not.
+        activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
 
-        `batch_invariant` (fp32, no quantization): every kernel but MKL's on the native path, none
-        on the portable one (charioteer.model.invariant.choose_path)."""
+        bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
+        kernels) where the CPU has no bf16 arithmetic (charioteer.model.precision.bf16_compute),
+        else torch's bf16 ops. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
+        the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized:
                 raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
             native = invariant.choose_path(device, config.head_dim) == "native"
             return cls(panel_rows=cpu_kernels.max_rows() if native else 0, packed_gemm=False, row_ops=native,
                        decode_attention=native, decode_layers=native, invariant="native" if native else "portable")
-        native = device.type == "cpu" and cpu_kernels.available() and dtype == torch.float32
-        row_ops = native and config.head_dim % 32 == 0
-        decode_attention = native and config.head_dim in cpu_kernels.HEAD_DIMS
+        kernels = device.type == "cpu" and cpu_kernels.available()
+        row_ops = kernels and config.head_dim % 32 == 0
+        decode_attention = kernels and config.head_dim in cpu_kernels.HEAD_DIMS
+        widened = (dtype == torch.bfloat16 and row_ops and decode_attention
+                   and bf16_compute(device) == "widened")
+        native = kernels and (dtype == torch.float32 or widened)
         panel_rows = cpu_kernels.max_rows() if native else 0
-        return cls(panel_rows=panel_rows, row_ops=row_ops, decode_attention=decode_attention,
+        return cls(panel_rows=panel_rows, row_ops=native and row_ops, decode_attention=native and decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
-                   decode_layers=panel_rows > 0 and row_ops and decode_attention)
+                   decode_layers=native and row_ops and decode_attention, widened_bf16=widened)
+
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The activations' dtype for weights and KV cache in `dtype`."""
+        return torch.float32 if self.widened_bf16 else dtype
 
     @property
     def ops(self) -> type[TorchRowOps] | type[NativeRowOps]:
@@ -383,16 +409,17 @@ class LlamaModel:
             raise ValueError(f"layer range [{start}, {end}) is not inside the model's {config.num_layers} layers")
         self.layer_range = (start, end)
         self.is_first, self.is_last = start == 0, end == config.num_layers
-        self._load_weights(state_dict)
         self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None, batch_invariant)
+        self.activation_dtype = self.kernels.activation_dtype(dtype)
+        self._load_weights(state_dict)
         self._prepare_kernels()
-        self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, dtype)
+        self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, self.activation_dtype)
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         c = self.config
 
-        def w(name: str) -> torch.Tensor:
-            return state_dict[name].to(self.device, self.dtype)
+        def w(name: str) -> torch.Tensor:  # norm weights in the activations' dtype, the rest in dtype
+            return state_dict[name].to(self.device, self.activation_dtype if name.endswith("norm.weight") else self.dtype)
 
         needs_embed = self.is_first or (self.is_last and c.tie_word_embeddings)
         self.embed = w("model.embed_tokens.weight") if needs_embed else None
@@ -406,9 +433,11 @@ class LlamaModel:
         """The weights in the layouts self.kernels' GEMMs read, and the one-call decode runner."""
         c, k = self.config, self.kernels
 
-        def linear(weight: torch.Tensor) -> Linear | Int8Linear:
+        def linear(weight: torch.Tensor) -> Linear | NarrowLinear:
             if self.quantization == "int8":
-                return Int8Linear(weight, self.dtype, k.panel_rows)
+                return Int8Linear(weight, self.activation_dtype, k.panel_rows)
+            if k.widened_bf16:
+                return NarrowLinear(weight, None, k.panel_rows)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format).
@@ -463,7 +492,7 @@ class LlamaModel:
     @torch.inference_mode()
     def embed_tokens(self, inp: ForwardInput) -> torch.Tensor:
         """The first stage's input: [T, hidden] embeddings of the batch's tokens."""
-        return self.embed[inp.token_ids]
+        return self.embed[inp.token_ids].to(self.activation_dtype)
 
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:
@@ -556,14 +585,15 @@ class LlamaModel:
         rows = slice(span.offset, span.offset + span.num_tokens)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
         if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
-            ks, vs = k[rows], v[rows]
+            # rounded as the cache holds them, so that a later chunk and a decode see the same K/V
+            ks, vs = (t[rows].to(k_cache.dtype).to(q.dtype) for t in (k, v))
             causal, mask = True, None
         elif span.context_start is not None:  # the cache rows themselves, no copy
             run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
-            ks, vs = k_cache[run], v_cache[run]
+            ks, vs = k_cache[run].to(q.dtype), v_cache[run].to(q.dtype)
             causal, mask = False, span.mask
         else:
-            ks, vs = self._gather(k_cache, span.context_slots, 0), self._gather(v_cache, span.context_slots, 1)
+            ks, vs = (self._gather(cache, span.context_slots, i).to(q.dtype) for i, cache in enumerate((k_cache, v_cache)))
             causal, mask = False, span.mask
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
@@ -581,16 +611,16 @@ class LlamaModel:
         gqa = self.config.num_kv_heads != self.config.num_heads
         qd = q.unsqueeze(2)  # [D, heads, 1, dim]
         for i, (start, length) in enumerate(inp.decode_runs):
-            kd = k_cache[start:start + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
-            vd = v_cache[start:start + length].transpose(0, 1).unsqueeze(0)
+            kd = k_cache[start:start + length].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
+            vd = v_cache[start:start + length].to(q.dtype).transpose(0, 1).unsqueeze(0)
             out[i] = F.scaled_dot_product_attention(qd[i:i + 1], kd, vd, enable_gqa=gqa)[0, :, 0]
 
     def _decode_gathered(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
         c = self.config
         slots = inp.decode_slots.view(-1)
         shape = (*inp.decode_slots.shape, c.num_kv_heads, c.head_dim)
-        kd = self._gather(k_cache, slots, 0).view(shape).transpose(1, 2)  # [D, kv_heads, context, dim]
-        vd = self._gather(v_cache, slots, 1).view(shape).transpose(1, 2)
+        kd = self._gather(k_cache, slots, 0).to(q.dtype).view(shape).transpose(1, 2)  # [D, kv_heads, context, dim]
+        vd = self._gather(v_cache, slots, 1).to(q.dtype).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=inp.decode_mask,
                                            enable_gqa=c.num_kv_heads != c.num_heads)
         out[:] = o.squeeze(2)

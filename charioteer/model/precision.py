@@ -2,14 +2,18 @@
 
 - `dtype` is the format of weights, activations and the KV cache: float32, bfloat16, or auto.
   auto takes bfloat16 where the processor computes it natively (AMX or AVX512-BF16 on a CPU,
-  bf16 support on a GPU), and float32 elsewhere: on an AVX2-only CPU torch's bf16 matmul runs
-  at a seventh of fp32's rate, so halving the bytes does not pay for it.
+  bf16 support on a GPU), and float32 elsewhere.
+- Where a CPU has no bf16 arithmetic (AVX2, plain AVX-512), torch's bf16 matmul runs at a seventh
+  of fp32's rate. There bfloat16 runs *widened* (`bf16_compute`): weights and KV cache stay bf16,
+  so a decode step reads half of fp32's bytes, and the CPU kernels widen them to fp32 as they
+  load them; activations are fp32. CHARIOTEER_BF16_COMPUTE=widened|torch forces one way.
 - `quantization="int8"` stores each linear layer's weight and the LM head as int8 with one scale
   per output channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only,
   W8A16/W8A32). The embedding's table stays in `dtype` (a lookup reads one row).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -38,6 +42,23 @@ def native_bf16(device: torch.device, flags: set[str] | None = None) -> bool:
         return torch.cuda.is_bf16_supported()
     flags = cpu_flags() if flags is None else flags
     return bool(flags) and any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+BF16_COMPUTE = ("auto", "widened", "torch")
+
+
+def bf16_compute(device: torch.device, flags: set[str] | None = None) -> str:
+    """How bf16 weights compute on `device`: "torch" (bf16 ops) or "widened" (fp32 activations in the
+    CPU kernels, used where they run), from CHARIOTEER_BF16_COMPUTE, default auto: torch where the
+    device computes bf16 natively, widened elsewhere."""
+    setting = os.environ.get("CHARIOTEER_BF16_COMPUTE", "auto").strip().lower()
+    if setting not in BF16_COMPUTE:
+        raise ValueError(f"CHARIOTEER_BF16_COMPUTE={setting} is none of {', '.join(BF16_COMPUTE)}")
+    if device.type != "cpu":
+        return "torch"
+    if setting == "auto":
+        return "torch" if native_bf16(device, flags) else "widened"
+    return setting
 
 
 def resolve_dtype(name: str, device: torch.device, flags: set[str] | None = None) -> torch.dtype:

@@ -118,7 +118,8 @@ class Stage:
                 times = torch.empty(0, dtype=torch.float64)
                 x = None
             else:
-                x = self._link_recv((num_tokens, self.hidden_size), self.model.dtype, self.rank - 1, tp.TAG_HIDDEN)
+                x = self._link_recv((num_tokens, self.hidden_size), self.model.activation_dtype, self.rank - 1,
+                                    tp.TAG_HIDDEN)
                 times = torch.empty(3 * self.index, dtype=torch.float64)
                 pg.recv([times], self.rank - 1, tp.TAG_TIMES).wait()
             start = time.time()

@@ -22,18 +22,24 @@ namespace {
 constexpr int kMaxGroup = 4;  // query heads scored together against one read of a K or V row
 constexpr int64_t kAhead = 8;  // K rows prefetched ahead of the score loop
 
-inline void prefetch_row(const float* row, int dim, int hint) {
-  for (int c = 0; c < dim; c += 16) {  // a 64-byte line each
-    if (hint == 0) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
-    else _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
+template <typename T>
+inline void prefetch_row(const T* row, int dim, int hint) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < dim * int64_t(sizeof(T)); c += 64) {  // a cache line each
+    if (hint == 0) _mm_prefetch(bytes + c, _MM_HINT_T0);
+    else _mm_prefetch(bytes + c, _MM_HINT_T1);
   }
 }
+
+// kLanes cached K or V values as fp32: fp32 as is, bf16 (its bits as uint16) widened exactly.
+inline Vec kvload(const float* p) { return vload(p); }
+inline Vec kvload(const uint16_t* p) { return vload_bf16(p); }
 
 // Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
 // G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
 // so K rows are prefetched a few rows ahead and V rows into L2 during the score pass.
-template <int Dim, int G>
-void attend_group(const float* q, int64_t q_stride, const float* k, const float* v, int64_t row_stride,
+template <int Dim, int G, typename T>
+void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int64_t row_stride,
                   const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
   constexpr int C = Dim / kLanes;
   Vec qv[G][C];
@@ -44,9 +50,9 @@ void attend_group(const float* q, int64_t q_stride, const float* k, const float*
   for (int64_t t = 0; t < length; ++t) {
     if (t + kAhead < length) prefetch_row(k + slots[t + kAhead] * row_stride, Dim, 0);
     prefetch_row(v + slots[t] * row_stride, Dim, 1);
-    const float* kr = k + slots[t] * row_stride;
+    const T* kr = k + slots[t] * row_stride;
     Vec kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = vload(kr + kLanes * c);
+    for (int c = 0; c < C; ++c) kv[c] = kvload(kr + kLanes * c);
     for (int j = 0; j < G; ++j) {
       Vec acc = vmul(qv[j][0], kv[0]);
       for (int c = 1; c < C; ++c) acc = vfma(qv[j][c], kv[c], acc);
@@ -71,9 +77,9 @@ void attend_group(const float* q, int64_t q_stride, const float* k, const float*
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) acc[j][c] = vzero();
   for (int64_t t = 0; t < length; ++t) {
-    const float* vr = v + slots[t] * row_stride;
+    const T* vr = v + slots[t] * row_stride;
     Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = vload(vr + kLanes * c);
+    for (int c = 0; c < C; ++c) vv[c] = kvload(vr + kLanes * c);
     for (int j = 0; j < G; ++j) {
       const Vec p = vset1(scores[j * length + t]);
       for (int c = 0; c < C; ++c) acc[j][c] = vfma(p, vv[c], acc[j][c]);
@@ -84,27 +90,64 @@ void attend_group(const float* q, int64_t q_stride, const float* k, const float*
 }
 
 // All `heads` query heads that share one KV head, kMaxGroup at a time.
-template <int Dim>
-void attend(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v, int64_t row_stride,
+template <int Dim, typename T>
+void attend(const float* q, int64_t q_stride, int64_t heads, const T* k, const T* v, int64_t row_stride,
             const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
-  using Fn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t, float,
+  using Fn = void (*)(const float*, int64_t, const T*, const T*, int64_t, const int64_t*, int64_t, float,
                       float*, float*);
-  static constexpr Fn by_size[kMaxGroup] = {attend_group<Dim, 1>, attend_group<Dim, 2>, attend_group<Dim, 3>,
-                                            attend_group<Dim, 4>};
+  static constexpr Fn by_size[kMaxGroup] = {attend_group<Dim, 1, T>, attend_group<Dim, 2, T>, attend_group<Dim, 3, T>,
+                                            attend_group<Dim, 4, T>};
   for (int64_t j = 0; j < heads; j += kMaxGroup) {
     const int64_t g = std::min<int64_t>(kMaxGroup, heads - j);
     by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim, scores);
   }
 }
 
+// Every (request, KV head) pair of the batch over caches of element type T.
+template <typename T>
+void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const int64_t* sp, const int64_t* len,
+                int64_t decodes, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, float* op) {
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
+  const auto fn = dim == 64 ? attend<64, T> : attend<128, T>;
+  at::parallel_for(0, decodes * kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t d = i / kv_heads, g = i % kv_heads;
+      fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
+         scale, op + (d * heads + g * group) * dim, scores.data());
+    }
+  });
+}
+
+// One cache row from fp32 values: a copy, or each value rounded to bf16 (to nearest even, as torch's .to()).
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+template <typename T>
+void store_rows(T* kc, T* vc, const float* kp, const float* vp, int64_t ks, int64_t vs, const int64_t* sp, int64_t rows,
+                int64_t row) {
+  for (int64_t t = 0; t < rows; ++t) {
+    store_row(kc + sp[t] * row, kp + t * ks, row);
+    store_row(vc + sp[t] * row, vp + t * vs, row);
+  }
+}
+
+bool fp32_or_bf16(const torch::Tensor& cache) {
+  return cache.scalar_type() == torch::kFloat || cache.scalar_type() == torch::kBFloat16;
+}
+
 }  // namespace
 
+// The caches may be fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q must be [D, heads, dim] and the caches [slots, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "fp32 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "q and out must be fp32");
+  TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must both be fp32 or both bf16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous (its rows may be strided)");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor of q's shape");
@@ -119,26 +162,24 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
   const int64_t width = sc.size(1), num_slots = k_cache.size(0);
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t d = 0; d < decodes; ++d) TORCH_CHECK(0 < len[d] && len[d] <= width, "length out of range");
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim, q_rows = q.stride(0);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* sp = sc.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < decodes * width; ++i) TORCH_CHECK(0 <= sp[i] && sp[i] < num_slots, "slot out of range");
-  const auto fn = dim == 64 ? attend<64> : attend<128>;
-  at::parallel_for(0, decodes * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t d = i / kv_heads, g = i % kv_heads;
-      fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
-         static_cast<float>(scale), op + (d * heads + g * group) * dim, scores.data());
-    }
-  });
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  if (k_cache.scalar_type() == torch::kFloat) {
+    attend_all(qp, q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, len, decodes, heads,
+               kv_heads, dim, width, s, op);
+  } else {
+    attend_all(qp, q.stride(0), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+               reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), sp, len, decodes, heads, kv_heads, dim, width, s,
+               op);
+  }
 }
 
 // k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: the step's new K/V rows (which may be
-// strided views of the fused QKV projection) copied into the cache, a memcpy per row.
+// strided views of the fused QKV projection) copied into the cache, a memcpy per row, or rounded
+// to bf16 for a bf16 cache.
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
@@ -147,21 +188,21 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               "k and v must be [T, kv_heads, dim] like the cache rows");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k's and v's heads must be contiguous (their rows may be strided)");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
-              k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat, "fp32 only");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat, "k and v must be fp32");
+  TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must both be fp32 or both bf16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&
               slot_mapping.size(0) == k.size(0), "slot_mapping must be [T] int64");
   const auto sm = slot_mapping.contiguous();
   const int64_t* sp = sm.data_ptr<int64_t>();
   const int64_t rows = k.size(0), num_slots = k_cache.size(0), row = k.size(1) * k.size(2);
   for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot out of range");
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  for (int64_t t = 0; t < rows; ++t) {
-    std::memcpy(kc + sp[t] * row, kp + t * ks, row * sizeof(float));
-    std::memcpy(vc + sp[t] * row, vp + t * vs, row * sizeof(float));
+  if (k_cache.scalar_type() == torch::kFloat) {
+    store_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kp, vp, k.stride(0), v.stride(0), sp, rows, row);
+  } else {
+    store_rows(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), kp, vp, k.stride(0), v.stride(0),
+               sp, rows, row);
   }
 }

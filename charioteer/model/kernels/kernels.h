@@ -10,7 +10,7 @@ int64_t panel_width();  // output columns per packed panel in this build
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                            const c10::optional<torch::Tensor>& scale = c10::nullopt);
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
+                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);  // caches fp32 or bf16
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v);
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps);
