@@ -139,8 +139,9 @@ class Linear:
 # Up to how many times the fp32 panel kernel's row limit narrow weights (int8, or bf16 under fp32
 # activations) stay in the panel kernel. Its alternative above the limit writes and reads an fp32
 # copy of the weight first: on Zen 3 (AVX2), for int8, the panel kernel is 1.1-1.9x faster than
-# that at 256 rows of SmolLM2's and the LM head's shapes, 0.96-1.3x at 512, and 0.6-1.0x at 1024.
-# Not measured on AVX-512.
+# that at 256 rows of SmolLM2's and the LM head's shapes, 0.96-1.3x at 512, and 0.6-1.0x at 1024;
+# for bf16, 1.2-1.7x at 256 (also a LLaMA-7B gate/up), 0.9-1.25x at 512 and 1.05-1.15x at 1024
+# (medians of 5). Not measured on AVX-512.
 NARROW_PANEL_ROWS_FACTOR = 4
 
 
