@@ -147,6 +147,20 @@ def test_each_dtype_has_its_own_entry(fake_machine):
         rl.roofline("cpu", dtype="int3")
 
 
+def test_bf16_entries_say_how_bf16_computes(fake_machine, monkeypatch):
+    """Widened bf16 (fp32 matmuls on bf16 weights) and torch's bf16 ops have different peaks: a forced
+    change of path is measured again."""
+    from charioteer.model import cpu_kernels
+
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "torch")
+    assert rl.roofline("cpu", dtype="bfloat16")["identity"]["bf16_compute"] == "torch"
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
+    widened = rl.roofline("cpu", dtype="bfloat16")
+    assert widened["identity"]["bf16_compute"] == ("widened" if cpu_kernels.available() else "torch")
+    assert widened["cached"] == (not cpu_kernels.available())
+    assert "bf16_compute" not in rl.roofline("cpu")["identity"]
+
+
 def test_a_rate_above_the_peak_remeasures_and_mfu_stays_at_most_1(fake_machine, capsys):
     roof = rl.roofline("cpu")  # peak 100 GFLOP/s
     assert rl.mfu(roof, [(50e9, 1.0), (25e9, 1.0)]) == [0.5, 0.25] and fake_machine["peak_calls"] == 1

@@ -235,6 +235,10 @@ def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     assert rows[0]["backend"] == "F.linear" and len({r["backend"] for r in rows}) == len(rows)
     assert any(r["backend"].startswith("panel") for r in rows) == cpu_kernels.available()
     assert all(r["lm_head_ms"] > 0 for r in rows)
-    # 2 layers of QKV (128 x 64), O (64 x 64), gate/up (192 x 64) and down (64 x 96), fp32.
-    expected_mb = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96) * 4 / 1e6
-    assert all(r["weight_mb"] == round(expected_mb, 1) and r["ms"] > 0 and r["gflops"] > 0 for r in rows)
+    # 2 layers of QKV (128 x 64), O (64 x 64), gate/up (192 x 64) and down (64 x 96): 4 bytes a weight, or
+    # the panel kernel's bf16 and int8 weights' 2 and 1
+    weights = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96)
+    for r in rows:
+        element_bytes = 2 if "bf16" in r["backend"] else 1 if "int8" in r["backend"] else 4
+        assert r["weight_mb"] == round(weights * element_bytes / 1e6, 1) and r["ms"] > 0 and r["gflops"] > 0
+    assert {"bf16" in r["backend"] for r in rows} == ({True, False} if cpu_kernels.available() else {False})

@@ -57,15 +57,29 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def widened_bf16(device: torch.device, dtype: str) -> bool:
+    """Whether `dtype` runs as widened bf16 here (charioteer.model.precision): bf16 weights, fp32 matmuls."""
+    from charioteer.model import cpu_kernels
+    from charioteer.model.precision import bf16_compute
+
+    return dtype == "bfloat16" and bf16_compute(device) == "widened" and cpu_kernels.available()
+
+
 def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
-    """Best FLOP/s over short trials of large LLaMA-like GEMMs (tokens x hidden @ hidden x ffn)."""
+    """Best FLOP/s over short trials of large LLaMA-like GEMMs (tokens x hidden times a [ffn, hidden]
+    weight, as the model's F.linear runs them: on AVX2, torch's bf16 `a @ b` on an untransposed
+    [hidden, ffn] takes a path 60x slower than its bf16 F.linear). Widened bf16 times the model's
+    path for large batches: the weight widened to fp32, then an fp32 GEMM."""
+    import torch.nn.functional as F
+
     device = torch.device(device)
     shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
+    widened = widened_bf16(device, dtype)
     best = 0.0
     for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=_dtype(dtype))
-        b = torch.randn(k, n, device=device, dtype=_dtype(dtype))
-        seconds = _best_time(lambda: a @ b, device, trials)
+        a = torch.randn(m, k, device=device, dtype=torch.float32 if widened else _dtype(dtype))
+        w = torch.randn(n, k, device=device, dtype=_dtype(dtype))
+        seconds = _best_time((lambda: F.linear(a, w.float())) if widened else (lambda: F.linear(a, w)), device, trials)
         best = max(best, 2 * m * k * n / seconds)
     return best
 
@@ -141,9 +155,12 @@ def identity(device: str | torch.device = "cpu", dtype: str = "float32") -> dict
         major, minor = torch.cuda.get_device_capability(device)
         return {"device": "cuda", "processor": torch.cuda.get_device_name(device), "features": [f"sm_{major}{minor}"],
                 "isa": f"cuda {torch.version.cuda}", "threads": None, "torch": torch_version(), "dtype": dtype}
-    return {"device": device.type, "processor": cpu_model(), "features": cpu_features(),
-            "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "torch": torch_version(), "dtype": dtype, "bandwidth_readers": bandwidth_readers(device)}
+    ident = {"device": device.type, "processor": cpu_model(), "features": cpu_features(),
+             "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+             "torch": torch_version(), "dtype": dtype, "bandwidth_readers": bandwidth_readers(device)}
+    if dtype == "bfloat16":
+        ident["bf16_compute"] = "widened" if widened_bf16(device, dtype) else "torch"
+    return ident
 
 
 def _key(ident: dict) -> str:
@@ -317,14 +334,16 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
     packed GEMM (the engine's path above the panel kernel's rows, up to 64), the panel kernel (its path
-    up to cpu_kernels.max_rows() rows) and oneDNN's packed linear where torch has them.
-    Reports the layers' time, the weight bytes read per second and GFLOP/s, and the LM head's
-    time and GB/s on its own ([vocab, hidden], as tied to the embedding).
+    up to cpu_kernels.max_rows() rows) on fp32, bf16 and int8 weights, and oneDNN's packed linear
+    where torch has them. Reports the layers' time, the weight bytes read per second (of the
+    weights as each backend stores them) and GFLOP/s, and the LM head's time and GB/s on its own
+    ([vocab, hidden], as tied to the embedding).
     """
     import torch.nn.functional as F
 
     from charioteer.model import cpu_kernels
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
+    from charioteer.model.precision import quantize_int8
 
     device = torch.device(device)
     h, inter, head_dim = hidden, intermediate, hidden // heads
@@ -337,19 +356,29 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     lm_head = torch.randn(vocab, h, device=device) * 0.02
     lm_input = torch.randn(rows, h, device=device)
 
-    def timed(name: str, prepare, call) -> dict:
+    def timed(name: str, prepare, call, element_bytes: int = 4) -> dict:
         prepared = [prepare(w) for w in weights]
         t = _best_time(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)], device, repeats)
         head = prepare(lm_head)
         t_head = _best_time(lambda: call(lm_input, head, lm_head), device, repeats)
-        return {"backend": name, "ms": round(t * 1e3, 2), "weight_gbs": round(nbytes / t / 1e9, 1),
-                "gflops": round(flops / t / 1e9, 1), "lm_head_ms": round(t_head * 1e3, 2),
-                "lm_head_gbs": round(lm_head.numel() * 4 / t_head / 1e9, 1)}
+        stored = nbytes // 4 * element_bytes
+        return {"backend": name, "ms": round(t * 1e3, 2), "weight_mb": round(stored / 1e6, 1),
+                "weight_gbs": round(stored / t / 1e9, 1), "gflops": round(flops / t / 1e9, 1),
+                "lm_head_ms": round(t_head * 1e3, 2),
+                "lm_head_gbs": round(lm_head.numel() * element_bytes / t_head / 1e9, 1)}
+
+    def int8_panels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_int8(w)
+        return cpu_kernels.pack(q), scale
 
     out = [timed("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w))]
     if device.type == "cpu" and cpu_kernels.available():
-        out.append(timed(f"panel ({cpu_kernels.chosen_isa()})", cpu_kernels.pack,
-                         lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0])))
+        isa = cpu_kernels.chosen_isa()
+        out.append(timed(f"panel ({isa})", cpu_kernels.pack, lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0])))
+        out.append(timed(f"panel bf16 ({isa})", lambda w: cpu_kernels.pack(w.bfloat16()),
+                         lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0]), element_bytes=2))
+        out.append(timed(f"panel int8 ({isa})", int8_panels,
+                         lambda x, p, w: cpu_kernels.linear(x, p[0], w.shape[0], p[1]), element_bytes=1))
     if packed_gemm_available(device):
         out.append(timed("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
                          lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows)))
@@ -358,7 +387,7 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
         out.append(timed("onednn packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
                          lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")))
     for row in out:
-        row.update(rows=rows, weight_mb=round(nbytes / 1e6, 1))
+        row["rows"] = rows
     return out
 
 

@@ -11,7 +11,8 @@ SDPA run such small shapes.
   15, and the LM head 1.5x faster (`charioteer bench roofline --decode-stream`). Each output is
   summed over k in order, so a row's result does not depend on the other rows of its batch.
 - `decode_attention`: each decode's query against its own context, read in place through its
-  slot list, with no padded copy of the contexts and one call for the whole batch.
+  slot list, with no padded copy of the contexts and one call for the whole batch; the cache may
+  be bf16 (widened bf16, charioteer.model.precision).
 - Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
@@ -202,8 +203,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      isa: str | None = None) -> torch.Tensor:
     """softmax(q K^T * scale) V per decode, K and V read in place: q [D, heads, dim] (rows may be
-    strided), caches [slots, kv_heads, dim], slots [D, width] (row d's first lengths[d] entries are
-    its context). Writes `out` (default a new [D, heads, dim] tensor) and returns it; query head h
+    strided), caches [slots, kv_heads, dim] in fp32 or bf16 (widened exactly as read), slots [D, width]
+    (row d's first lengths[d] entries are its context). Writes `out` (default a new [D, heads, dim] tensor) and returns it; query head h
     reads KV head h // (heads / kv_heads)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -213,8 +214,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, isa: str | None = None) -> None:
-    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] (rows may be
-    strided): index_copy_ without its per-element indexing, which costs 20 us a call on cold cache rows."""
+    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] fp32 (rows may be
+    strided) into fp32 caches, or rounded to nearest even into bf16 ones: index_copy_ without its
+    per-element indexing, which costs 20 us a call on cold cache rows."""
     _kernels(isa).store_kv(k_cache, v_cache, slot_mapping, k, v)
 
 
