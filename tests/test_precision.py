@@ -120,6 +120,7 @@ def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model, compute, monke
     model = bf16.engine.model
     assert model.kernels.widened_bf16 == (compute == "widened")
     assert model.activation_dtype == (torch.float32 if compute == "widened" else torch.bfloat16)
+    assert bf16.engine.capacity()["activation_dtype"] == ("float32" if compute == "widened" else "bfloat16")
     cap32, cap16 = fp32.engine.capacity(), bf16.engine.capacity()
     assert (cap32["dtype"], cap16["dtype"]) == ("float32", "bfloat16")
     assert cap16["kv_bytes_per_token"] * 2 == cap32["kv_bytes_per_token"]

@@ -109,6 +109,8 @@ class LLMEngine:
             "num_blocks": self.blocks.num_blocks,
             "kv_capacity_tokens": self.blocks.capacity_tokens,
             "dtype": dtype_name(self.dtype),
+            # fp32 where bf16 runs widened (charioteer.model.precision); the stages' own with a pipeline
+            "activation_dtype": dtype_name(self.model.activation_dtype) if self.model is not None else None,
             "quantization": self.args.quantization,
             "kv_bytes_per_token": self.kv_token_bytes,
             "weight_bytes": weights,
