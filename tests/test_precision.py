@@ -189,10 +189,20 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
 
 
-def test_bf16_pipeline_stages_run_bf16_and_agree_with_one_process(tiny_model):
+@pytest.mark.parametrize("spec", ["synthetic:tiny",  # head_dim 32: torch's bf16 ops
+                                  "synthetic:vocab=512,hidden=256,intermediate=512,layers=4,heads=4,context=512"])
+def test_bf16_pipeline_stages_run_bf16_and_agree_with_one_process(spec):
+    """With head_dim 64 bf16 runs widened where the CPU has no bf16 arithmetic: fp32 hidden states
+    pass between the stages."""
+    from charioteer.model.loader import load_model
+
+    tiny_model = load_model(spec)
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([9, 40, 4, 23])]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     one = LLM(tiny_model, dtype="bfloat16", chunk_size=8)
+    widened = (tiny_model.config.head_dim in cpu_kernels.HEAD_DIMS and cpu_kernels.available()
+               and bf16_compute(torch.device("cpu")) == "widened")
+    assert one.engine.model.kernels.widened_bf16 == widened
     piped = LLM(tiny_model, dtype="bfloat16", chunk_size=8, pipeline_parallel_size=2)
     try:
         assert piped.engine.capacity()["kv_bytes_per_token"] * 2 == LLM(tiny_model).engine.capacity()["kv_bytes_per_token"]
