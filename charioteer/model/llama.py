@@ -232,6 +232,12 @@ class NativeRowOps:
     store_kv = staticmethod(cpu_kernels.store_kv)
 
 
+def bf16_runs_widened(device: torch.device) -> bool:
+    """Whether bf16 runs widened on `device`: bf16 weights and KV cache, fp32 arithmetic in the CPU
+    kernels (charioteer.model.precision.bf16_compute), where they run here."""
+    return device.type == "cpu" and cpu_kernels.available() and bf16_compute(device) == "widened"
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The optional kernels one model runs, fixed at its construction by `choose`."""
@@ -259,8 +265,8 @@ class Kernels:
         activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
-        kernels) where the CPU has no bf16 arithmetic (charioteer.model.precision.bf16_compute),
-        else torch's bf16 ops. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
+        kernels) where the CPU has no bf16 arithmetic (`bf16_runs_widened`) and the head size suits the
+        kernels, else torch's bf16 ops. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized:
@@ -271,8 +277,7 @@ class Kernels:
         kernels = device.type == "cpu" and cpu_kernels.available()
         row_ops = kernels and config.head_dim % 32 == 0
         decode_attention = kernels and config.head_dim in cpu_kernels.HEAD_DIMS
-        widened = (dtype == torch.bfloat16 and row_ops and decode_attention
-                   and bf16_compute(device) == "widened")
+        widened = dtype == torch.bfloat16 and row_ops and decode_attention and bf16_runs_widened(device)
         native = kernels and (dtype == torch.float32 or widened)
         panel_rows = cpu_kernels.max_rows() if native else 0
         return cls(panel_rows=panel_rows, row_ops=native and row_ops, decode_attention=native and decode_attention,
