@@ -25,6 +25,7 @@ def one_error_line(capsys) -> str:
     (["serve", "--pipeline-parallel-size", "0"], "pipeline_parallel_size must be an integer >= 1"),
     (["simulate", "--chunk-size", "0", "--no-progress"], "chunk_size must be an integer >= 1"),
     (["simulate", "--validate", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["simulate", "--validate", "--repeats", "0", "--no-progress"], "repeats must be >= 1"),
     (["simulate", "--sensitivity", "--no-progress"], "--sensitivity needs --preset paper-fig12"),
     (["tune", "--model", "synthetic:tiny"], "exactly one of --pd-ratio"),
     (["tune", "--model", "synthetic:tiny", "--pd-ratio", "10", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),

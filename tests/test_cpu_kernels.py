@@ -144,6 +144,30 @@ def test_int8_linear_routes_by_rows():
     torch.testing.assert_close(portable(small), lin(small), rtol=1e-4, atol=1e-4)
 
 
+def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
+    """LlamaModel.small_batch_rows and widen_rows (the simulator's step cost model takes them) against
+    the routes its Linear and NarrowLinear take, on this CPU, for fp32, widened bf16 and int8."""
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, Kernels, NarrowLinear
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    fp32 = Kernels.choose(config, torch.device("cpu"))
+    panel = cpu_kernels.max_rows()
+    assert fp32.widen_rows(quantized=False) == 0
+    assert fp32.small_batch_rows(quantized=False) == max(panel, PACKED_GEMM_MAX_ROWS if fp32.packed_gemm else 0)
+    for isa in cpu_kernels.ISAS:
+        if cpu_kernels.cannot_run(isa) is None:
+            block = cpu_kernels.row_block(isa)
+            assert block in (4, 8) and cpu_kernels.PANEL_MAX_ROWS[isa] % block == 0
+    if not cpu_kernels.available():
+        return
+    int8 = Kernels.choose(config, torch.device("cpu"), quantized=True)
+    assert int8.small_batch_rows(quantized=True) == Int8Linear(torch.randn(8, 64), torch.float32, panel).panel_rows
+    assert int8.widen_rows(quantized=True) == cpu_kernels.row_block() > 0
+    assert NarrowLinear(torch.randn(8, 64).bfloat16(), None, panel).panel_rows == NARROW_PANEL_ROWS_FACTOR * panel
+
+
 def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
     """Per decode, float64 SDPA over its own context rows."""
     group = q.shape[1] // k_cache.shape[1]

@@ -10,12 +10,12 @@ from charioteer.cli import main
 from charioteer.sim.validate import FEATURES, SPREAD_CLASSES, StepCostModel
 
 TRUTH = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-         "small_batch_tokens": 2e-5, "prefill_attention": 1e-8, "decode_context": 2e-7}
+         "large_batch_tokens": 2e-5, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
 
 
 def _noisy_records(noise: float, n: int = 400, seed: int = 0):
     rng = np.random.default_rng(seed)
-    exact = StepCostModel(TRUTH)
+    exact = StepCostModel(TRUTH, 64, 4)
     records = []
     for _ in range(n):
         plan = [(int(rng.integers(1, 200)), int(rng.integers(0, 500)), True) for _ in range(int(rng.integers(0, 3)))]
@@ -25,7 +25,7 @@ def _noisy_records(noise: float, n: int = 400, seed: int = 0):
 
 
 def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
-    fitted = StepCostModel.fit(_noisy_records(0.2))
+    fitted = StepCostModel.fit(_noisy_records(0.2), 64, 4)
     assert set(fitted.spread) == set(SPREAD_CLASSES)
     for q in fitted.spread.values():
         assert q == sorted(q) and 0.7 < q[0] < 0.9 and 1.1 < q[-1] < 1.35  # the +-20 % it was given, about
@@ -39,7 +39,7 @@ def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
     assert np.median(draws) == pytest.approx(fitted.predict(plan), rel=0.05)
     assert fitted.without_spread().batch_cost(plan)[0][0] == pytest.approx(fitted.predict(plan))
     # Without noise the fit is exact, and so is every draw.
-    exact = StepCostModel.fit(_noisy_records(0.0))
+    exact = StepCostModel.fit(_noisy_records(0.0), 64, 4)
     assert all(q == pytest.approx([1.0] * len(q), abs=1e-3) for q in exact.spread.values())
     for k in FEATURES:
         assert exact.coefs[k] == pytest.approx(TRUTH[k], rel=1e-3)
@@ -47,12 +47,12 @@ def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
 
 def test_a_bad_spread_is_refused():
     with pytest.raises(ValueError, match="spread"):
-        StepCostModel(TRUTH, spread={"prompt": [1.0, 1.1]})
+        StepCostModel(TRUTH, 64, 4, spread={"prompt": [1.0, 1.1]})
 
 
 def test_the_search_prices_batches_from_a_step_cost_table(tmp_path, capsys):
     table = tmp_path / "steps.json"
-    table.write_text(StepCostModel.fit(_noisy_records(0.1)).to_json())
+    table.write_text(StepCostModel.fit(_noisy_records(0.1), 64, 4).to_json())
     argv = ["simulate", "--search", "--model", "layers=4,hidden=128,ffn=352,heads=4,vocab=512", "--cost-table", str(table),
             "--devices", "2", "--search-tp", "1,2", "--search-pp", "1", "--search-policies", "sarathi,orca",
             "--search-chunk-sizes", "32", "--search-batch-caps", "8", "--num-requests", "40", "--min-len", "32",

@@ -103,9 +103,12 @@ def fake_validate(monkeypatch):
     calls = []
 
     def validate(**kwargs):
-        calls.append(kwargs)
-        return {"per_batch_mape": 0.1, "validation_batches": 3, "measured_completion_s": 1.0,
-                "simulated_completion_s": 1.1, "completion_error": 0.1, "same_batch_sequence": True}
+        calls.append({k: v for k, v in kwargs.items() if k != "progress"})
+        policy = {"per_batch_mape": 0.1, "repeat_spread": 0.2, "validation_batches": 3, "measured_completion_s": 1.0,
+                  "run_totals_median_s": 1.05, "simulated_completion_s": 1.1, "completion_error": 0.1, "same_batch_sequence": True}
+        return {"dtype": kwargs["dtype"], "chunk_size": kwargs["chunk_size"], "batch_cap": kwargs["batch_cap"],
+                "validation_runs": kwargs["repeats"], "calibration_batches": 10,
+                "policies": [{"policy": p, **policy} for p in kwargs["policies"]]}
 
     monkeypatch.setattr(sim_validate, "validate", validate)
     return calls
@@ -117,8 +120,12 @@ def test_simulate_validate_explicit_chunk_size_wins(fake_validate, capsys):
     assert main(["simulate", "--validate", "--json"]) == 0
     assert fake_validate[-1]["chunk_size"] == 64 and fake_validate[-1]["batch_cap"] == 8  # the command's defaults
     assert main(["simulate", "--validate", "--scheduler", "orca", "--max-num-seqs", "4", "--chunk-size", "32"]) == 0
-    assert fake_validate[-1] == dict(policy="orca", batch_cap=4, chunk_size=32, num_requests=24, seed=1)
-    capsys.readouterr()
+    assert fake_validate[-1] == dict(policies=["orca"], batch_cap=4, chunk_size=32, num_requests=24, seed=1,
+                                     repeats=9, dtype="float32")
+    assert main(["simulate", "--validate", "--repeats", "3", "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert fake_validate[-1]["policies"] == ("sarathi", "orca", "request-level", "vllm")  # all four by default
+    assert fake_validate[-1]["repeats"] == 3 and fake_validate[-1]["dtype"] == "bfloat16"
+    assert "| vllm | 3 | 10.0 % | 20 % |" in capsys.readouterr().out
 
 
 def test_simulate_default_chunk_size_is_the_declared_one():

@@ -72,8 +72,8 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
     from charioteer.sim.validate import FEATURES, StepCostModel
 
     truth = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-             "small_batch_tokens": 2e-5, "prefill_attention": 1e-8, "decode_context": 2e-7}
-    true_model = StepCostModel(truth)
+             "large_batch_tokens": 2e-5, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
+    true_model = StepCostModel(truth, 64, 4)
     rng = np.random.default_rng(0)
     records = []
     for _ in range(200):
@@ -81,14 +81,14 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
         plan += [(1, int(rng.integers(10, 900)), False) for _ in range(int(rng.integers(0, 12)))]
         if plan:
             records.append((plan, true_model.predict(plan)))
-    fitted = StepCostModel.fit(records)
+    fitted = StepCostModel.fit(records, 64, 4)
     for k in FEATURES:
         assert fitted.coefs[k] == pytest.approx(truth[k], rel=1e-3)
     again = StepCostModel.from_json(fitted.to_json(), num_stages=2)
     times, p2p, _ = again.batch_cost(records[0][0])
     assert sum(times) == pytest.approx(true_model.predict(records[0][0]), rel=1e-3) and p2p == 0.0
     with pytest.raises(ValueError, match="lacks"):
-        StepCostModel({"batch": 1.0})
+        StepCostModel({"batch": 1.0}, 64)
 
 
 def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, capsys):
@@ -123,11 +123,16 @@ def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, caps
 def test_validate_runs_the_real_engine_repeatedly_and_reports_both_errors():
     from charioteer.sim.validate import validate
 
-    report = validate(policy="orca", batch_cap=4, chunk_size=32, num_requests=6, repeats=2)
-    assert report["same_batch_sequence"] and report["validation_runs"] == 2
-    assert report["validation_batches"] > 6
-    assert 0.0 <= report["per_batch_mape"] < 1.0 and 0.0 <= report["completion_error"] < 1.0
-    assert report["measured_completion_s"] > 0 and report["simulated_completion_s"] > 0
+    report = validate(policies=("orca", "sarathi"), batch_cap=4, chunk_size=32, num_requests=6, repeats=2)
+    assert report["validation_runs"] == 2 and [r["policy"] for r in report["policies"]] == ["orca", "sarathi"]
+    assert report["small_batch_rows"] >= 1
+    for r in report["policies"]:
+        # Counted, not timed: the simulator issues the engine's exact batch sequence.
+        assert r["same_batch_sequence"] and r["validation_batches"] > 6
+        # Timed on a noisy shared machine with two runs of a tiny workload, so only a broken model fails:
+        # the full measurement (5 runs, BENCHMARKS.md) is 3-5 %; a missing cost term measured 10-16 %.
+        assert 0.0 <= r["per_batch_mape"] < 0.25 and 0.0 <= r["completion_error"] < 0.25
+        assert r["measured_completion_s"] > 0 and r["simulated_completion_s"] > 0 and r["repeat_spread"] >= 0
 
 
 def test_attention_memory_efficiency_slows_only_kv_reads():
@@ -144,3 +149,27 @@ def test_attention_memory_efficiency_slows_only_kv_reads():
     assert same.batch_cost([(256, 900, True), (1, 2000, False)]) == base.batch_cost([(256, 900, True), (1, 2000, False)])
     with pytest.raises(ValueError, match="attention_memory_efficiency"):
         replace(A100, attention_memory_efficiency=0.0)
+
+
+def test_nnls_finds_the_best_non_negative_fit():
+    """Against every subset of free coefficients (the optimum is an unconstrained fit on one of them)."""
+    from itertools import combinations
+
+    import numpy as np
+
+    from charioteer.sim.validate import nnls
+
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        a = rng.normal(size=(30, 5))
+        if trial % 2:
+            a[:, 4] = a[:, 0] + a[:, 1]  # collinear columns, as a cost model's features can be
+        b = a @ rng.normal(size=5) + rng.normal(scale=0.1, size=30)
+        best = np.linalg.norm(b)
+        for k in range(1, 6):
+            for cols in combinations(range(5), k):
+                sol = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+                if (sol >= 0).all():
+                    best = min(best, np.linalg.norm(a[:, cols] @ sol - b))
+        x = nnls(a, b)
+        assert (x >= 0).all() and np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9, abs=1e-9)

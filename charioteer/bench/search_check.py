@@ -70,11 +70,24 @@ def bench_requests(workload, vocab_size: int, seed: int) -> list:
             for p, d in zip(workload.prompt_len, workload.decode_len)]
 
 
+def server_gemm_rows(config, dtype: str) -> tuple[int, int]:
+    """The server's Kernels.small_batch_rows and widen_rows: it runs `config` in `dtype` on this CPU, unquantized."""
+    import torch
+
+    from charioteer.model.llama import Kernels
+    from charioteer.model.precision import resolve_dtype
+
+    cpu = torch.device("cpu")
+    kernels = Kernels.choose(config, cpu, resolve_dtype(dtype, cpu))
+    return kernels.small_batch_rows(quantized=False), kernels.widen_rows(quantized=False)
+
+
 def config_name(c: dict) -> str:
     return f"{c['policy']}" + (f" C={c['chunk_size']}" if c["chunk_size"] else "") + f" B={c['batch_cap']}"
 
 
-def calibrate(args, workload_spec, vocab_size: int, cpus: tuple, tag: str = "") -> StepCostModel:
+def calibrate(args, workload_spec, vocab_size: int, gemm_rows: tuple[int, int], cpus: tuple,
+              tag: str = "") -> StepCostModel:
     """Fit the step cost model on served steps. Each calibration run starts a server (as the check's will be
     started) that writes its step records (`serve --trace-steps`) and serves its requests twice: all at
     once, then at Poisson arrivals at 0.8x the throughput that reached. The second load matters: a
@@ -103,7 +116,7 @@ def calibrate(args, workload_spec, vocab_size: int, cpus: tuple, tag: str = "") 
                                     cpus, trace=trace)
             records += [(step.plan(), step.duration_s) for run in served["steps"] for step in run]
             bar.update(1)
-    return StepCostModel.fit(records)
+    return StepCostModel.fit(records, *gemm_rows)
 
 
 def search(args, workload, unit_arrivals, table_path: str, engine_shape) -> tuple[dict, list[dict]]:
@@ -214,11 +227,12 @@ def cmd_bench_search_check(args) -> int:
     unit = unit_poisson_arrivals(len(workload), args.seed)
 
     cpus = core_split()
+    gemm_rows = server_gemm_rows(config, args.dtype)
     requests = bench_requests(workload, config.vocab_size, args.seed)
     rounds, searches = [], []
     for r in range(1, args.repeats + 1):
         # Each round calibrates, searches and serves within minutes: the machine's speed drifts over longer.
-        table = calibrate(args, wspec, config.vocab_size, cpus, f"r{r}-")
+        table = calibrate(args, wspec, config.vocab_size, gemm_rows, cpus, f"r{r}-")
         table_path = os.path.join(args.out, f"r{r}-cost_table.json")
         with open(table_path, "w") as f:
             f.write(table.to_json())

@@ -170,6 +170,14 @@ def max_rows(isa: str | None = None) -> int:
     return PANEL_MAX_ROWS[isa] if isa else 0
 
 
+def row_block(isa: str | None = None) -> int:
+    """Rows `linear`'s microkernel computes at once (of `isa`'s build, or the chosen one's); 0 without one.
+    With bf16 or int8 weights, a batch of more rows widens each weight slice once for all its row
+    blocks; a batch of one block widens as it goes."""
+    isa = isa or chosen_isa()
+    return _kernels(isa).panel_row_block if isa else 0
+
+
 def _kernels(isa: str | None):
     """The extension module of `isa`, or of the chosen ISA for None."""
     if isa is None and chosen_isa() is None:

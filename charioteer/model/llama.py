@@ -284,6 +284,19 @@ class Kernels:
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened)
 
+    def small_batch_rows(self, quantized: bool) -> int:
+        """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
+        a larger batch runs one plain GEMM, at another cost per row (the simulator's step cost model
+        prices the two apart: charioteer.sim.validate)."""
+        panel = self.panel_rows * (NARROW_PANEL_ROWS_FACTOR if quantized or self.widened_bf16 else 1)
+        return max(panel, PACKED_GEMM_MAX_ROWS if self.packed_gemm else 0)
+
+    def widen_rows(self, quantized: bool) -> int:
+        """With weights narrower than the activations (widened bf16, int8) on the panel GEMM: its row
+        block. A batch of more rows widens each weight slice once before its row blocks use it; one
+        block widens as it goes (0 for fp32 weights, which need no widening)."""
+        return cpu_kernels.row_block() if self.panel_rows and (quantized or self.widened_bf16) else 0
+
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The activations' dtype for weights and KV cache in `dtype`."""
         return torch.float32 if self.widened_bf16 else dtype
@@ -417,6 +430,9 @@ class LlamaModel:
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None, batch_invariant)
         self.activation_dtype = self.kernels.activation_dtype(dtype)
+        # how a batch's rows set its GEMMs' cost (the simulator's step cost model reads these)
+        self.small_batch_rows = self.kernels.small_batch_rows(quantization is not None)
+        self.widen_rows = self.kernels.widen_rows(quantization is not None)
         self._load_weights(state_dict)
         self._prepare_kernels()
         self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, self.activation_dtype)

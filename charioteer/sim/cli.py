@@ -34,7 +34,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                         "moved in turn and print how the completion times and ratios move (10-20 minutes)")
     p.add_argument("--validate", action="store_true",
                    help="profile the real CPU engine, then compare the simulator's per-batch times (MAPE) and "
-                        "completion time against a fresh real run (uses --scheduler, --max-num-seqs, --chunk-size)")
+                        "completion time against a fresh real run, per policy (--scheduler, repeatable; default: "
+                        "all four), at --max-num-seqs, --chunk-size, --dtype")
     p.add_argument("--search", action="store_true",
                    help="deployment search: the highest Poisson rate within the SLOs for every TP, PP, policy, chunk "
                         "size and batch cap on --devices devices; table (or --json) and --plot")
@@ -67,6 +68,11 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                              f"{VALIDATE_DEFAULTS['max_num_seqs']} with --validate)"),
     })
     g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
+    g = p.add_argument_group("validation (with --validate)")
+    add_setting_args(g, ["dtype"])
+    g.add_argument("--repeats", type=int, default=9,
+                   help="runs of every workload, interleaved; a batch's time is its median (default: %(default)s; "
+                        "with 5, this 2-core host's noise left some policies above 5 %% per-batch error)")
     _add_workload_args(p.add_argument_group("workload"))
     add_search_args(p.add_argument_group("search (with --search)"))
     p.set_defaults(func=cmd_simulate)
@@ -224,20 +230,31 @@ def _sensitivity(args, t0: float) -> int:
 
 
 def _validate(args, t0: float) -> int:
+    from tqdm import tqdm
+
     from charioteer.sim import validate as sim_validate
 
     sched = scheduler_values(args)
-    report = sim_validate.validate(policy=sched["policies"][0], batch_cap=sched["max_num_seqs"],
-                                   chunk_size=sched["chunk_size"], num_requests=args.num_requests or 24,
-                                   seed=args.seed + 1)
+    policies = args.scheduler or sim_validate.POLICIES
+    runs = args.repeats * (len(sim_validate.CALIBRATION_POLICIES) + len(policies))
+    with tqdm(total=runs, unit="run", file=sys.stderr, disable=args.no_progress) as bar:
+        report = sim_validate.validate(policies=policies, batch_cap=sched["max_num_seqs"],
+                                       chunk_size=sched["chunk_size"], num_requests=args.num_requests or 24,
+                                       seed=args.seed + 1, repeats=args.repeats, dtype=args.dtype, progress=bar)
     report["wall_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        print(f"per-batch MAPE: {report['per_batch_mape'] * 100:.1f}% over {report['validation_batches']} batches")
-        print(f"completion: measured {report['measured_completion_s']:.2f} s, simulated "
-              f"{report['simulated_completion_s']:.2f} s, error {report['completion_error'] * 100:.1f}%")
-        print(f"same batch sequence as the engine: {report['same_batch_sequence']}")
+        return 0
+    print(f"{report['dtype']}, C = {report['chunk_size']}, B = {report['batch_cap']}, each batch's time the median of "
+          f"{report['validation_runs']} runs; cost model fitted on {report['calibration_batches']} calibration batches")
+    print("measured completion: the sum of the batches' median times; the median of the runs' own totals beside it")
+    print("| policy | batches | per-batch MAPE | repeat spread | measured (s) | run totals (s) | simulated (s) "
+          "| completion error | same batch sequence |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in report["policies"]:
+        print(f"| {r['policy']} | {r['validation_batches']} | {r['per_batch_mape'] * 100:.1f} % "
+              f"| {r['repeat_spread'] * 100:.0f} % | {r['measured_completion_s']:.2f} | {r['run_totals_median_s']:.2f} "
+              f"| {r['simulated_completion_s']:.2f} | {r['completion_error'] * 100:.1f} % | {r['same_batch_sequence']} |")
     return 0
 
 

@@ -11,19 +11,24 @@ timing the real engine (this CPU), like the paper's simulator (profile, then fit
       + c_prefill_token * prefill tokens          linear layers (QKV, O, MLP) per prompt token
       + c_decode_row * decodes                    per decode: its GEMM rows (weights already
                                                   streaming), LM head row, sampling
-      + c_small   * min(tokens, 64)               extra per token in batches of up to 64 rows, which
-                                                  run on the panel GEMM or MKL's packed GEMM, with a
-                                                  different per-row cost from plain GEMM above 64
+      + c_large * max(tokens - R, 0)              extra per row past R: up to R rows (the engine's
+                                                  Kernels.small_batch_rows) the linear layers run the
+                                                  panel or packed GEMM, above it one plain GEMM, which
+                                                  costs more per row here (on AVX2 15-35 % more per
+                                                  prompt token on VALIDATION_MODEL)
+      + c_widen * (1 if tokens > W)               bf16 or int8 weights: a batch of more than one
+                                                  row block (W, the engine's Kernels.widen_rows)
+                                                  widens each weight slice once into L1 first
       + c_prefill * sum over prefill entries of c * (k + (c + 1) / 2)   causal attention work
       + c_decode  * sum over decodes of context   decode attention (K/V reads)
 
-The coefficients are fitted by non-negative least squares on *calibration* runs (a different
-workload and seed from the validation run) and can be saved as a JSON table.
+The coefficients are fitted by non-negative least squares on *calibration* runs (other workloads
+and seeds than the validation run) and can be saved as a JSON table, with R and W.
 
-`validate()` then runs a validation workload through the real engine three times, alternating with
-the calibration runs (timing every step and recording its plan; a batch's time is its median over
-the runs), runs the simulator with the profiled model on the same workload, and reports
-the per-batch mean absolute percentage error and the whole run's completion-time error.
+`validate()` then runs a validation workload through the real engine under each policy, `repeats`
+times, interleaved with the calibration runs (timing every step and recording its plan; a batch's
+time is its median over the runs), runs the simulator with the profiled model on the same workload,
+and reports per policy the per-batch mean absolute percentage error and the completion-time error.
 """
 from __future__ import annotations
 
@@ -34,15 +39,14 @@ import numpy as np
 
 from charioteer.sim.cost import CostModel
 
-FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "small_batch_tokens",
-            "prefill_attention", "decode_context")
+FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "large_batch_tokens",
+            "widen_pass", "prefill_attention", "decode_context")
 STEP_COST_KIND = "charioteer-profiled-cost"  # the JSON tables' "kind": a step cost table, not a `tune` one
 SPREAD_CLASSES = ("prompt", "decode")  # steps that run a prompt chunk; decode-only steps
 SPREAD_QUANTILES = 41
-SMALL_BATCH_ROWS = 64  # charioteer.model.llama.PACKED_GEMM_MAX_ROWS (not imported: the simulator stays torch-free)
 
 
-def plan_features(plan) -> list[float]:
+def plan_features(plan, small_batch_rows: int, widen_rows: int = 0) -> list[float]:
     prefill_entries = prefill_tokens = decodes = dec = 0
     pre = 0.0
     for num, start, is_prefill in plan:
@@ -55,19 +59,30 @@ def plan_features(plan) -> list[float]:
             dec += start + num
     tokens = prefill_tokens + decodes
     return [1.0, float(prefill_entries > 0), float(prefill_entries), float(prefill_tokens), float(decodes),
-            float(min(tokens, SMALL_BATCH_ROWS)), pre, float(dec)]
+            float(max(tokens - small_batch_rows, 0)), float(0 < widen_rows < tokens), pre, float(dec)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with x >= 0 by dropping negative coefficients and refitting (few features)."""
-    active = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (sol >= 0).all():
-            x[active] = sol
-            return x
-        active = [i for i, v in zip(active, sol) if v > 0] if (sol > 0).any() else []
+    """argmin |a x - b| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-10 * max(1.0, float(np.abs(a).max()) * float(np.abs(b).max()))
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        if free.all() or (gradient[~free] <= tol).all():
+            break
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            # step from x towards z until the first free coefficient reaches 0, and fix it there
+            blocked = free & (z <= 0)
+            x = x + np.min(x[blocked] / (x[blocked] - z[blocked])) * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
     return x
 
 
@@ -79,13 +94,18 @@ class StepCostModel(CostModel):
     the simulated p99s carry the step-to-step variation the real engine has; `predict` stays the fit.
     """
 
-    def __init__(self, coefs: dict[str, float], num_stages: int = 1, source: str = "",
-                 spread: dict[str, list[float]] | None = None, seed: int = 0) -> None:
+    def __init__(self, coefs: dict[str, float], small_batch_rows: int, widen_rows: int = 0, num_stages: int = 1,
+                 source: str = "", spread: dict[str, list[float]] | None = None, seed: int = 0) -> None:
         missing = set(FEATURES) - coefs.keys()
         if missing:
-            raise ValueError(f"profiled cost table lacks {', '.join(sorted(missing))}")
+            raise ValueError(f"profiled cost table lacks {', '.join(sorted(missing))} (a table from before they "
+                             f"existed: measure it again)")
+        for name, rows in (("small_batch_rows", small_batch_rows), ("widen_rows", widen_rows)):
+            if not (isinstance(rows, int) and rows >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {rows!r}")
         self.coefs = {k: float(coefs[k]) for k in FEATURES}
         self._c = [self.coefs[k] for k in FEATURES]
+        self.small_batch_rows, self.widen_rows = small_batch_rows, widen_rows
         self.num_stages = num_stages
         self.source = source
         self.spread = spread
@@ -96,10 +116,11 @@ class StepCostModel(CostModel):
             self._rng = np.random.default_rng(seed)
 
     @classmethod
-    def fit(cls, records: list[tuple[list, float]], num_stages: int = 1) -> "StepCostModel":
+    def fit(cls, records: list[tuple[list, float]], small_batch_rows: int, widen_rows: int = 0,
+            num_stages: int = 1) -> "StepCostModel":
         if len(records) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} timed batches to fit, got {len(records)}")
-        a = np.array([plan_features(p) for p, _ in records])
+        a = np.array([plan_features(p, small_batch_rows, widen_rows) for p, _ in records])
         b = np.array([t for _, t in records])
         # Relative error matters (batches span 100x in time): weight rows by 1 / t.
         w = 1.0 / np.maximum(b, 1e-6)
@@ -110,16 +131,16 @@ class StepCostModel(CostModel):
         for name, rows in zip(SPREAD_CLASSES, (with_prompt, ~with_prompt)):
             values = ratio[rows] if rows.any() else np.ones(1)
             spread[name] = np.quantile(values, np.linspace(0, 1, SPREAD_QUANTILES)).round(4).tolist()
-        return cls(dict(zip(FEATURES, x)), num_stages, source="fit", spread=spread)
+        return cls(dict(zip(FEATURES, x)), small_batch_rows, widen_rows, num_stages, source="fit", spread=spread)
 
     def without_spread(self) -> "StepCostModel":
-        return StepCostModel(self.coefs, self.num_stages, self.source)
+        return StepCostModel(self.coefs, self.small_batch_rows, self.widen_rows, self.num_stages, self.source)
 
     def predict(self, plan) -> float:
-        return float(np.dot(self._c, plan_features(plan)))
+        return float(np.dot(self._c, plan_features(plan, self.small_batch_rows, self.widen_rows)))
 
     def batch_cost(self, plan):
-        f = plan_features(plan)
+        f = plan_features(plan, self.small_batch_rows, self.widen_rows)
         t = sum(c * v for c, v in zip(self._c, f))
         if self.spread is not None:
             q = self._spread[0 if f[1] else 1]
@@ -128,6 +149,7 @@ class StepCostModel(CostModel):
 
     def to_json(self) -> str:
         return json.dumps({"kind": STEP_COST_KIND, "features": list(FEATURES), "coefs": self.coefs,
+                           "small_batch_rows": self.small_batch_rows, "widen_rows": self.widen_rows,
                            "spread": self.spread}, indent=2)
 
     @classmethod
@@ -138,99 +160,158 @@ class StepCostModel(CostModel):
     def from_dict(cls, data: dict, num_stages: int = 1) -> "StepCostModel":
         if data.get("kind") != STEP_COST_KIND:
             raise ValueError(f"not a step cost table (kind {data.get('kind')!r}, expected {STEP_COST_KIND!r})")
-        return cls(data["coefs"], num_stages, source="table", spread=data.get("spread"))
+        missing = [k for k in ("small_batch_rows", "widen_rows") if k not in data]
+        if missing:
+            raise ValueError(f"step cost table lacks {', '.join(missing)} (a table from before they existed: "
+                             f"measure it again)")
+        return cls(data["coefs"], data["small_batch_rows"], data["widen_rows"], num_stages, source="table",
+                   spread=data.get("spread"))
 
 
 # ---- driving the real engine ---------------------------------------------------------------------
 
 VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
+POLICIES = ("sarathi", "orca", "request-level", "vllm")
+CALIBRATION_POLICIES = ("request-level", "sarathi", "orca")
 
 
-def run_engine(workload, policy: str, batch_cap: int, chunk_size: int, model: str = VALIDATION_MODEL, seed: int = 0):
-    """Run `workload` through the real engine on this CPU; return ([(plan, step seconds)], total seconds).
+class EnginePool:
+    """Real engines on this CPU, one per policy, warmed up once and reused for every run.
 
-    Seconds are CPU seconds of the calling thread (see below)."""
-    import torch
+    KV is reserved per request and there is no prefix cache, so a finished run leaves nothing behind
+    that changes the next one. Times are CPU seconds of the calling thread: torch runs single-threaded
+    here, in this thread, so on an idle machine that is the wall time, and on a shared one it leaves
+    out time spent descheduled."""
 
-    from charioteer.config import EngineArgs
-    from charioteer.engine.llm_engine import LLMEngine
-    from charioteer.memory.block_manager import cdiv
-    from charioteer.request import SamplingParams
+    def __init__(self, batch_cap: int, chunk_size: int, max_len: int, dtype: str = "float32",
+                 model: str = VALIDATION_MODEL, seed: int = 0) -> None:
+        import torch
 
-    torch.set_num_threads(1)  # steadier timings on a shared machine
-    max_len = int((workload.prompt_len + workload.decode_len).max())
-    engine = LLMEngine(EngineArgs(model=model, scheduler=policy, max_num_seqs=batch_cap, chunk_size=chunk_size,
-                                  kv_policy="reserve", num_kv_blocks=batch_cap * cdiv(max_len, 16), seed=seed))
-    steps = []
-    engine.subscribe(steps.append)
-    rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
-    # Warm-up on this engine: touch every KV block once (first-touch page faults would otherwise land
-    # in the measured batches) and let the allocator settle.
-    for i in range(batch_cap):
-        engine.add_request(rng.integers(0, vocab, max_len - 2).tolist(),
-                           SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), request_id=f"warm{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
-    steps.clear()
-    for i in range(len(workload)):
-        ids = rng.integers(0, vocab, int(workload.prompt_len[i])).tolist()
-        engine.add_request(ids, SamplingParams(max_tokens=int(workload.decode_len[i]), ignore_eos=True,
-                                               temperature=0.0), request_id=str(i))
-    # Times are this thread's CPU time (torch runs single-threaded here, in this thread): on an idle
-    # machine that is the wall time, and on a shared one it leaves out time spent descheduled.
-    t0 = time.thread_time()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [(step.plan(), step.cpu_s) for step in steps], time.thread_time() - t0
+        torch.set_num_threads(1)  # steadier timings on a shared machine
+        self.batch_cap, self.chunk_size, self.max_len = batch_cap, chunk_size, max_len
+        self.dtype, self.model, self.seed = dtype, model, seed
+        self._engines = {}
+
+    def engine(self, policy: str):
+        if policy not in self._engines:
+            self._engines[policy] = self._warm(self._new_engine(policy))
+        return self._engines[policy]
+
+    def _new_engine(self, policy: str):
+        from charioteer.config import EngineArgs
+        from charioteer.engine.llm_engine import LLMEngine
+        from charioteer.memory.block_manager import cdiv
+
+        return LLMEngine(EngineArgs(model=self.model, dtype=self.dtype, scheduler=policy, max_num_seqs=self.batch_cap,
+                                    chunk_size=self.chunk_size, kv_policy="reserve",
+                                    num_kv_blocks=self.batch_cap * cdiv(self.max_len, 16), seed=self.seed))
+
+    def _warm(self, engine):
+        """Touch every KV block once (first-touch page faults would otherwise land in measured batches)."""
+        rng = np.random.default_rng(self.seed)
+        for i in range(self.batch_cap):
+            engine.add_request(rng.integers(0, engine.model_config.vocab_size, self.max_len - 2).tolist(),
+                               self._params(2), request_id=f"warm{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine
+
+    @staticmethod
+    def _params(max_tokens: int):
+        from charioteer.request import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+    def run(self, workload, policy: str) -> tuple[list[tuple[list, float]], float]:
+        """Run `workload` (random prompt ids, the same on every call); return ([(plan, step seconds)], total seconds)."""
+        engine = self.engine(policy)
+        steps = []
+        unsubscribe = engine.subscribe(steps.append)
+        rng = np.random.default_rng(self.seed)
+        for i in range(len(workload)):
+            ids = rng.integers(0, engine.model_config.vocab_size, int(workload.prompt_len[i])).tolist()
+            engine.add_request(ids, self._params(int(workload.decode_len[i])), request_id=str(i))
+        t0 = time.thread_time()
+        while engine.has_unfinished_requests():
+            engine.step()
+        total = time.thread_time() - t0
+        unsubscribe()
+        return [(step.plan(), step.cpu_s) for step in steps], total
 
 
-def validate(policy: str = "sarathi", batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
-             seed: int = 1, repeats: int = 3) -> dict:
-    from charioteer.sim.simulator import ReplicaSetup, Simulator
-    from charioteer.sim.specs import ClusterConfig
+def _workload(num_requests: int, seed: int, min_len: int, max_len: int):
     from charioteer.sim.workload import WorkloadSpec, make_workload
 
-    def wl(n, s, lo, hi):
-        return make_workload(WorkloadSpec(num_requests=n, lengths="zipf", min_len=lo, max_len=hi, theta=0.4,
-                                          pd_ratio=10.0, seed=s))
+    return make_workload(WorkloadSpec(num_requests=num_requests, lengths="zipf", min_len=min_len, max_len=max_len,
+                                      theta=0.4, pd_ratio=10.0, seed=seed))
 
-    workload = wl(num_requests, seed, 64, 512)
-    # This machine's speed drifts by tens of percent over tens of seconds, so calibration and validation
-    # runs alternate (drift reaches both alike), and the validation workload, whose batch sequence is
-    # deterministic, runs `repeats` times: each batch's time is its median over the runs.
-    calibration_workloads = [(pol, wl(num_requests // 2, s, 32, 640))
-                             for pol, s in (("request-level", seed + 100), ("sarathi", seed + 200), ("orca", seed + 300))]
-    calibration = []
-    runs = []
-    for _ in range(repeats):
-        for pol, cal in calibration_workloads:
-            calibration += run_engine(cal, pol, batch_cap, chunk_size)[0]
-        runs.append(run_engine(workload, policy, batch_cap, chunk_size))
-    model = StepCostModel.fit(calibration)
+
+def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
+             seed: int = 1, repeats: int = 9, dtype: str = "float32", progress=None) -> dict:
+    """Fit the step cost model on calibration runs, then check it per policy against validation runs.
+
+    This machine's speed swings by 10-50 % for a second or so at a time, so the runs interleave (the
+    calibration runs and each policy's validation run, `repeats` times over, in an order rotated
+    every time: swings and order effects reach all alike), and every batch's time, calibration and
+    validation, is its median over the repeats (each run's batch sequence is deterministic).
+    Calibration uses other workloads and seeds than validation, and is shared by every policy.
+    `progress`: a tqdm-like bar, advanced once per run."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    workload = _workload(num_requests, seed, 64, 512)
+    calibration_workloads = [(pol, _workload(max(num_requests // 2, 1), seed + 100 * (i + 1), 32, 640))
+                             for i, pol in enumerate(CALIBRATION_POLICIES)]
+    max_len = max(int((w.prompt_len + w.decode_len).max()) for w in [workload] + [w for _, w in calibration_workloads])
+    pool = EnginePool(batch_cap, chunk_size, max_len, dtype)
+    jobs = [(i, policy, cal) for i, (policy, cal) in enumerate(calibration_workloads)]
+    jobs += [(policy, policy, workload) for policy in policies]
+    runs = {key: [] for key, _, _ in jobs}
+    for r in range(repeats):
+        for key, policy, job_workload in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
+            runs[key].append(pool.run(job_workload, policy))
+            progress and progress.update()
+    calibration = [record for i in range(len(calibration_workloads)) for record in _median_batches(runs[i], "calibration")]
+    engine_model = pool.engine(policies[0]).model
+    model = StepCostModel.fit(calibration, engine_model.small_batch_rows, engine_model.widen_rows)
+    return {"batch_cap": batch_cap, "chunk_size": chunk_size, "dtype": dtype, "num_requests": num_requests,
+            "validation_runs": repeats, "calibration_batches": len(calibration), "coefs": model.coefs,
+            "small_batch_rows": model.small_batch_rows, "widen_rows": model.widen_rows,
+            "policies": [_policy_report(policy, runs[policy], model, workload, batch_cap, chunk_size, max_len)
+                         for policy in policies]}
+
+
+def _median_batches(runs, what: str) -> list[tuple[list, float]]:
+    """[(plan, median seconds over the runs)] of runs that must have issued the same batch sequence."""
     plans = [p for p, _ in runs[0][0]]
     if any([p for p, _ in r] != plans for r, _ in runs[1:]):
-        raise RuntimeError("the engine issued different batch sequences for the same workload")
-    step_times = np.median(np.array([[t for _, t in r] for r, _ in runs]), axis=0)
-    records = list(zip(plans, step_times.tolist()))
-    measured_total = float(np.median([total for _, total in runs]))
-    errors = [abs(model.predict(p) - t) / t for p, t in records]
-    max_len = int((workload.prompt_len + workload.decode_len).max())
-    sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(), model.without_spread(),
-                    trace_batches=True)
+        raise RuntimeError(f"the engine issued different batch sequences for the same {what} workload")
+    return list(zip(plans, np.median(np.array([[t for _, t in r] for r, _ in runs]), axis=0).tolist()))
+
+
+def _policy_report(policy: str, runs, model: StepCostModel, workload, batch_cap: int, chunk_size: int,
+                   max_len: int) -> dict:
+    from charioteer.sim.simulator import ReplicaSetup, Simulator
+    from charioteer.sim.specs import ClusterConfig
+
+    plans, step_times = zip(*_median_batches(runs, f"{policy} validation"))
+    step_times = np.array(step_times)
+    times = np.array([[t for _, t in r] for r, _ in runs])  # [repeat, batch]
+    # A run's total moves with the machine's swings (about a second each; a run lasts a few), so the
+    # measured completion is the typical run's: the sum of the batches' median times.
+    measured_total = float(step_times.sum())
+    errors = [abs(model.predict(p) - t) / t for p, t in zip(plans, step_times)]
+    sim = Simulator(ReplicaSetup(policy, batch_cap, max_len, chunk_size=chunk_size), ClusterConfig(),
+                    model.without_spread(), trace_batches=True)
     result = sim.run(workload)
-    same_batches = [[(n, s) for n, s, _ in p] for p, _ in records] == [[(n, s) for _, s, n in b] for _, b in result.batches]
+    same_batches = [[(n, s) for n, s, _ in p] for p in plans] == [[(n, s) for _, s, n in b] for _, b in result.batches]
     return {
         "policy": policy,
-        "batch_cap": batch_cap,
-        "chunk_size": chunk_size,
-        "num_requests": num_requests,
-        "calibration_batches": len(calibration),
-        "validation_batches": len(records),
-        "validation_runs": repeats,
-        "coefs": model.coefs,
+        "validation_batches": len(plans),
         "per_batch_mape": float(np.mean(errors)),
+        # how far one batch's repeats lie apart, (max - min) / median, the median over batches: the noise floor
+        "repeat_spread": float(np.median((times.max(axis=0) - times.min(axis=0)) / step_times)) if len(runs) > 1 else 0.0,
         "measured_completion_s": measured_total,
+        "run_totals_median_s": float(np.median([total for _, total in runs])),  # beside it: each run's own total
         "simulated_completion_s": result.makespan_s,
         "completion_error": abs(result.makespan_s - measured_total) / measured_total,
         "same_batch_sequence": same_batches,

@@ -6,6 +6,7 @@
 #include <vector>
 
 int64_t panel_width();  // output columns per packed panel in this build
+int64_t panel_row_block();  // rows the panel GEMM's microkernel computes at once in this build
 // x fp32; panels fp32, bf16 or int8 (then `scale`: fp32, one per output column).
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                            const c10::optional<torch::Tensor>& scale = c10::nullopt);

@@ -124,6 +124,7 @@ void panel_gemm(const float* xs, int64_t ldx, int64_t rows, const W* w, int64_t 
 }  // namespace
 
 int64_t panel_width() { return kPanel; }
+int64_t panel_row_block() { return kRowBlock; }
 
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                            const c10::optional<torch::Tensor>& scale) {
