@@ -430,12 +430,18 @@ class LlamaModel:
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None, batch_invariant)
         self.activation_dtype = self.kernels.activation_dtype(dtype)
-        # how a batch's rows set its GEMMs' cost (the simulator's step cost model reads these)
-        self.small_batch_rows = self.kernels.small_batch_rows(quantization is not None)
-        self.widen_rows = self.kernels.widen_rows(quantization is not None)
         self._load_weights(state_dict)
         self._prepare_kernels()
         self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, self.activation_dtype)
+
+    # How a batch's rows set its GEMMs' cost (the simulator's step cost model reads these).
+    @property
+    def small_batch_rows(self) -> int:
+        return self.kernels.small_batch_rows(self.quantization is not None)
+
+    @property
+    def widen_rows(self) -> int:
+        return self.kernels.widen_rows(self.quantization is not None)
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         c = self.config

@@ -273,7 +273,10 @@ def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, nu
         for key, policy, job_workload in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
             runs[key].append(pool.run(job_workload, policy))
             progress and progress.update()
-    calibration = [record for i in range(len(calibration_workloads)) for record in _median_batches(runs[i], "calibration")]
+    calibration = []
+    for i in range(len(calibration_workloads)):
+        plans, times = _batch_times(runs[i], "calibration")
+        calibration += zip(plans, np.median(times, axis=0).tolist())
     engine_model = pool.engine(policies[0]).model
     model = StepCostModel.fit(calibration, engine_model.small_batch_rows, engine_model.widen_rows)
     return {"batch_cap": batch_cap, "chunk_size": chunk_size, "dtype": dtype, "num_requests": num_requests,
@@ -283,12 +286,12 @@ def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, nu
                          for policy in policies]}
 
 
-def _median_batches(runs, what: str) -> list[tuple[list, float]]:
-    """[(plan, median seconds over the runs)] of runs that must have issued the same batch sequence."""
+def _batch_times(runs, what: str) -> tuple[list, np.ndarray]:
+    """(plans, seconds [run, batch]) of runs that must have issued the same batch sequence."""
     plans = [p for p, _ in runs[0][0]]
     if any([p for p, _ in r] != plans for r, _ in runs[1:]):
         raise RuntimeError(f"the engine issued different batch sequences for the same {what} workload")
-    return list(zip(plans, np.median(np.array([[t for _, t in r] for r, _ in runs]), axis=0).tolist()))
+    return plans, np.array([[t for _, t in r] for r, _ in runs])
 
 
 def _policy_report(policy: str, runs, model: StepCostModel, workload, batch_cap: int, chunk_size: int,
@@ -296,9 +299,8 @@ def _policy_report(policy: str, runs, model: StepCostModel, workload, batch_cap:
     from charioteer.sim.simulator import ReplicaSetup, Simulator
     from charioteer.sim.specs import ClusterConfig
 
-    plans, step_times = zip(*_median_batches(runs, f"{policy} validation"))
-    step_times = np.array(step_times)
-    times = np.array([[t for _, t in r] for r, _ in runs])  # [repeat, batch]
+    plans, times = _batch_times(runs, f"{policy} validation")
+    step_times = np.median(times, axis=0)
     # A run's total moves with the machine's swings (about a second each; a run lasts a few), so the
     # measured completion is the typical run's: the sum of the batches' median times.
     measured_total = float(step_times.sum())
