@@ -168,6 +168,29 @@ def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
     assert NarrowLinear(torch.randn(8, 64).bfloat16(), None, panel).panel_rows == NARROW_PANEL_ROWS_FACTOR * panel
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+def test_widened_bf16_takes_torchs_bf16_gemm_from_its_native_rows():
+    """Where the CPU computes bf16 (AMX), widened bf16 rounds the input of a batch of native_rows or
+    more to bf16 for torch's GEMM; fewer rows stay on the panel kernel. The cost model's small-batch
+    rows end where the panel kernel does. Both paths round input and product to bf16."""
+    from charioteer.model.llama import Kernels, NarrowLinear
+
+    w = torch.randn(96, 128).bfloat16()
+    lin = NarrowLinear(w, None, panel_rows=cpu_kernels.max_rows(), native_rows=8)
+    small, large = torch.randn(7, 128), torch.randn(8, 128)
+    rounded = small.bfloat16().float()
+    assert torch.equal(lin(small), cpu_kernels.linear(rounded, lin.panels, 96).bfloat16().float())
+    assert torch.equal(lin(large), torch.nn.functional.linear(large.bfloat16(), w).float())
+    with pytest.raises(ValueError, match="only bf16 weights without scales"):
+        NarrowLinear(torch.ones(8, 64, dtype=torch.int8), torch.ones(8), cpu_kernels.max_rows(), native_rows=8)
+    widened = Kernels(panel_rows=cpu_kernels.max_rows(), packed_gemm=False, row_ops=True, decode_attention=True,
+                      decode_layers=True, widened_bf16=True, native_bf16_rows=8)
+    assert widened.small_batch_rows(quantized=False) == 7
+    with pytest.raises(ValueError, match="widened bf16 only"):
+        Kernels(panel_rows=32, packed_gemm=False, row_ops=True, decode_attention=True, decode_layers=True,
+                native_bf16_rows=8)
+
+
 def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
     """Per decode, float64 SDPA over its own context rows."""
     group = q.shape[1] // k_cache.shape[1]

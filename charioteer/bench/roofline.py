@@ -61,14 +61,16 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
     """Best FLOP/s over short trials of large LLaMA-like GEMMs (tokens x hidden times a [ffn, hidden]
     weight, as the model's F.linear runs them: on AVX2, torch's bf16 `a @ b` on an untransposed
     [hidden, ffn] takes a path 60x slower than its bf16 F.linear). Widened bf16 times the model's
-    path for large batches: the weight widened to fp32, then an fp32 GEMM."""
+    path for large batches: the weight widened to fp32, then an fp32 GEMM, or where the CPU computes
+    bf16 (precision.native_bf16_gemm) torch's bf16 GEMM."""
     import torch.nn.functional as F
 
     from charioteer.model.llama import bf16_runs_widened
+    from charioteer.model.precision import native_bf16_gemm
 
     device = torch.device(device)
     shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
-    widened = dtype == "bfloat16" and bf16_runs_widened(device)
+    widened = dtype == "bfloat16" and bf16_runs_widened(device) and not native_bf16_gemm(device)
     best = 0.0
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.float32 if widened else _dtype(dtype))
@@ -155,7 +157,10 @@ def identity(device: str | torch.device = "cpu", dtype: str = "float32") -> dict
     if dtype == "bfloat16":
         from charioteer.model.llama import bf16_runs_widened
 
+        from charioteer.model.precision import native_bf16_gemm
+
         ident["bf16_compute"] = "widened" if bf16_runs_widened(device) else "torch"
+        ident["native_bf16_gemm"] = native_bf16_gemm(device)
     return ident
 
 

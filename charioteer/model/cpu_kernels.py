@@ -247,17 +247,21 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
 def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: list[torch.Tensor],
                   ffn_norm: list[torch.Tensor], gate_up: list[torch.Tensor], down: list[torch.Tensor], *, heads: int,
                   kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
-                  weight_scales: list[torch.Tensor] | None = None, isa: str | None = None):
+                  weight_scales: list[torch.Tensor] | None = None, plain_weights: list[torch.Tensor] | None = None,
+                  native_rows: int = 0, isa: str | None = None):
     """A runner of every layer for decode-only batches, on the kernels above in one C++ call.
 
     Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
     fused gate/up and down weights; with int8 weights, `weight_scales` holds each layer's four
-    column scales (QKV, O, gate/up, down), layer after layer. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    column scales (QKV, O, gate/up, down), layer after layer. With bf16 weights, `plain_weights` may
+    hold the four unpacked in the same order: a batch of `native_rows` rows or more then rounds its
+    input to bf16 for torch's bf16 GEMM (AMX) instead of the panels. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
     lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
     [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
     """
-    return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [], heads,
-                                      kv_heads, head_dim, intermediate, eps, scale)
+    return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
+                                      plain_weights or [], native_rows, heads, kv_heads, head_dim, intermediate, eps,
+                                      scale)
 
 
 def argmax_rows(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:

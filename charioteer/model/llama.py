@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
-from charioteer.model.precision import QUANTIZATIONS, bf16_compute, quantize_int8
+from charioteer.model.precision import QUANTIZATIONS, bf16_compute, native_bf16_gemm, quantize_int8
 from charioteer.runtime import tune_allocator
 
 
@@ -143,21 +143,39 @@ class Linear:
 # for bf16, 1.2-1.7x at 256 (also a LLaMA-7B gate/up), 0.9-1.25x at 512 and 1.05-1.15x at 1024
 # (medians of 5). Not measured on AVX-512.
 NARROW_PANEL_ROWS_FACTOR = 4
+# Rows from which widened bf16 runs torch's bf16 GEMM where the CPU has one (AMX). On a Xeon with
+# AMX, 2 threads, against the AVX-512 panel kernel (medians of 9): at 8 rows AMX is 1.34-1.39x
+# faster on LLaMA-7B's QKV and gate/up and 0.74-0.80x on SmolLM2's gate/up and LM head; at 16
+# rows 1.56-2.75x faster on all four; at 4 rows and fewer the panel kernel wins (1.04-2.8x).
+NATIVE_BF16_MIN_ROWS = 8
 
 
 class NarrowLinear:
     """y = x @ w.T with w stored narrower than x and widened to fp32 in the panel kernel's registers,
     so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
-    NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM."""
+    NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM.
+    `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through torch's bf16
+    GEMM instead (AMX), its product widened back; fewer rows round as that GEMM does (0: never)."""
 
-    __slots__ = ("weight", "scale", "panels", "panel_rows")
+    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows")
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0) -> None:
+        if native_rows and (weight.dtype != torch.bfloat16 or scale is not None):
+            raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
         self.weight, self.scale = weight, scale
         self.panels = cpu_kernels.pack(weight) if panel_rows else None
         self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
+        self.native_rows = native_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_rows:
+            x = x.to(torch.bfloat16)
+            if x.shape[0] >= self.native_rows:
+                return F.linear(x, self.weight).float()
+            # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded to
+            # bf16), so a row's result does not change with the number of rows in its batch beyond
+            # the order of the fp32 sums
+            return cpu_kernels.linear(x.float(), self.panels, self.weight.shape[0]).to(torch.bfloat16).float()
         if x.shape[0] <= self.panel_rows:
             return cpu_kernels.linear(x, self.panels, self.weight.shape[0], self.scale)
         weight = self.weight.float()
@@ -249,12 +267,15 @@ class Kernels:
     decode_layers: bool  # a decode-only batch's every layer in one C++ call of the kernels above
     invariant: str | None = None  # batch-invariant mode's path ("native" or "portable"), else None
     widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
+    native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
             raise ValueError("decode_layers runs the native row ops and decode attention: it needs both")
         if self.widened_bf16 and not (self.panel_rows and self.row_ops and self.decode_attention):
             raise ValueError("widened bf16 runs the panel GEMM, the native row ops and decode attention: it needs all")
+        if self.native_bf16_rows and not self.widened_bf16:
+            raise ValueError("native_bf16_rows applies to widened bf16 only")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -265,8 +286,9 @@ class Kernels:
         activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
-        kernels) where the CPU has no bf16 arithmetic (`bf16_runs_widened`) and the head size suits the
-        kernels, else torch's bf16 ops. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
+        kernels) where they run (`bf16_runs_widened`) and the head size suits them, else torch's bf16
+        ops; where the CPU computes bf16 (AMX), widened bf16 takes torch's bf16 GEMM from
+        NATIVE_BF16_MIN_ROWS rows and attends prompts in bf16 (`native_bf16_rows`). `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized:
@@ -286,12 +308,16 @@ class Kernels:
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
-                   decode_layers=native and row_ops and decode_attention, widened_bf16=widened)
+                   decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
+                   native_bf16_rows=NATIVE_BF16_MIN_ROWS if widened and not quantized and native_bf16_gemm(device)
+                   else 0)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
         a larger batch runs one plain GEMM, at another cost per row (the simulator's step cost model
         prices the two apart: charioteer.sim.validate)."""
+        if self.native_bf16_rows:
+            return self.native_bf16_rows - 1
         panel = self.panel_rows * (NARROW_PANEL_ROWS_FACTOR if quantized or self.widened_bf16 else 1)
         return max(panel, PACKED_GEMM_MAX_ROWS if self.packed_gemm else 0)
 
@@ -469,7 +495,7 @@ class LlamaModel:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows)
             if k.widened_bf16:
-                return NarrowLinear(weight, None, k.panel_rows)
+                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format).
@@ -491,7 +517,9 @@ class LlamaModel:
                 heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
                 eps=c.rms_norm_eps, scale=c.head_dim ** -0.5,
                 weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if self.quantization == "int8" else None)
+                if self.quantization == "int8" else None,
+                plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
+                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows)
 
     @property
     def weight_bytes(self) -> int:
@@ -615,17 +643,20 @@ class LlamaModel:
     def _prefill_attention(self, span: PrefillSpan, q, k, v, k_cache, v_cache, out: torch.Tensor) -> None:
         c = self.config
         rows = slice(span.offset, span.offset + span.num_tokens)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        # widened bf16 on a CPU with bf16 arithmetic attends in bf16, as its GEMMs run: on AMX, SDPA in
+        # bf16 takes half the time of fp32 SDPA on a widened copy of the cache
+        dtype = torch.bfloat16 if self.kernels.native_bf16_rows else q.dtype
+        qs = q[rows].to(dtype).transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
         if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
             # rounded as the cache holds them, so that a later chunk and a decode see the same K/V
-            ks, vs = (t[rows].to(k_cache.dtype).to(q.dtype) for t in (k, v))
+            ks, vs = (t[rows].to(k_cache.dtype).to(dtype) for t in (k, v))
             causal, mask = True, None
         elif span.context_start is not None:  # the cache rows themselves, no copy
             run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
-            ks, vs = k_cache[run].to(q.dtype), v_cache[run].to(q.dtype)
+            ks, vs = k_cache[run].to(dtype), v_cache[run].to(dtype)
             causal, mask = False, span.mask
         else:
-            ks, vs = (self._gather(cache, span.context_slots, i).to(q.dtype) for i, cache in enumerate((k_cache, v_cache)))
+            ks, vs = (self._gather(cache, span.context_slots, i).to(dtype) for i, cache in enumerate((k_cache, v_cache)))
             causal, mask = False, span.mask
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),

@@ -10,15 +10,29 @@
 DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv,
                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> ffn_norm,
                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-                           std::vector<torch::Tensor> scales, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t intermediate, double eps, double scale)
+                           std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+                           double scale)
     : attn_norm_(std::move(attn_norm)), qkv_(std::move(qkv)), o_(std::move(o)), ffn_norm_(std::move(ffn_norm)),
-      gate_up_(std::move(gate_up)), down_(std::move(down)), scales_(std::move(scales)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-      intermediate_(intermediate), eps_(eps), scale_(scale) {
+      gate_up_(std::move(gate_up)), down_(std::move(down)), scales_(std::move(scales)), plain_(std::move(plain)),
+      native_rows_(native_rows), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
+      eps_(eps), scale_(scale) {
   const size_t layers = attn_norm_.size();
   TORCH_CHECK(layers > 0 && qkv_.size() == layers && o_.size() == layers && ffn_norm_.size() == layers &&
               gate_up_.size() == layers && down_.size() == layers, "one weight of each kind per layer");
   TORCH_CHECK(scales_.empty() || scales_.size() == 4 * layers, "four scales per layer (int8 panels) or none");
+  TORCH_CHECK(plain_.empty() || (plain_.size() == 4 * layers && scales_.empty() && native_rows_ > 0),
+              "four unpacked bf16 weights per layer, with native_rows > 0 and no int8 scales, or none");
+}
+
+torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
+                                   int64_t n) const {
+  if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
+    const auto rounded = x.to(torch::kBFloat16);
+    if (x.size(0) >= native_rows_) return at::linear(rounded, plain_[4 * layer + which]).to(torch::kFloat);
+    return panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16).to(torch::kFloat);
+  }
+  return panel_linear(x, panels, n, scale(layer, which));
 }
 
 c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {
@@ -34,16 +48,15 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == layers && kv.size(1) == 2, "kv must be [layers, 2, slots, kv_heads, dim]");
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   for (int64_t l = 0; l < layers; ++l) {
-    const auto fused = panel_linear(h, qkv_[l], qkv_heads * head_dim_, scale(l, 0)).view({rows, qkv_heads, head_dim_});
+    const auto fused = linear(h, qkv_[l], l, 0, qkv_heads * head_dim_).view({rows, qkv_heads, head_dim_});
     const auto qk = rope(fused.narrow(1, 0, heads_ + kv_heads_), cos, signed_sin);
     auto layer_kv = kv.select(0, l);
     auto k_cache = layer_kv.select(0, 0), v_cache = layer_kv.select(0, 1);
     store_kv(k_cache, v_cache, slot_mapping, qk.narrow(1, heads_, kv_heads_), fused.narrow(1, heads_ + kv_heads_, kv_heads_));
     auto attn = torch::empty({rows, heads_, head_dim_}, x.options());
     decode_attention(qk.narrow(1, 0, heads_), k_cache, v_cache, slots, lengths, scale_, attn);
-    h = add_rms_norm_(x, panel_linear(attn.view({rows, heads_ * head_dim_}), o_[l], hidden, scale(l, 1)), ffn_norm_[l], eps_);
-    const auto ffn = panel_linear(silu_mul(panel_linear(h, gate_up_[l], 2 * intermediate_, scale(l, 2))), down_[l], hidden,
-                                  scale(l, 3));
+    h = add_rms_norm_(x, linear(attn.view({rows, heads_ * head_dim_}), o_[l], l, 1, hidden), ffn_norm_[l], eps_);
+    const auto ffn = linear(silu_mul(linear(h, gate_up_[l], l, 2, 2 * intermediate_)), down_[l], l, 3, hidden);
     if (l + 1 < layers) {
       h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_);
     } else {

@@ -24,11 +24,13 @@ class DecodeLayers {
  public:
   // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack).
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
-  // order; empty for fp32 or bf16 panels.
+  // order; empty for fp32 or bf16 panels. `plain`: for bf16 panels, each layer's four weights
+  // unpacked, in the same order; a batch of `native_rows` rows or more rounds its input to bf16 and
+  // multiplies through torch's bf16 GEMM (AMX), as NarrowLinear does; empty: the panels only.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-               std::vector<torch::Tensor> scales, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t intermediate, double eps, double scale);
+               std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
 
   // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
   // weight; kv [layers, 2, slots + 1, kv_heads, dim]; cos, signed_sin [D, dim]; slot_mapping [D];
@@ -39,8 +41,10 @@ class DecodeLayers {
 
  private:
   c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
+                       int64_t n) const;
 
-  std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_;
-  int64_t heads_, kv_heads_, head_dim_, intermediate_;
+  std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_, plain_;
+  int64_t native_rows_, heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
 };
