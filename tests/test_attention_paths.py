@@ -73,11 +73,14 @@ class _CountingRunner:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 @pytest.mark.parametrize("kv_policy, quantization, dtype", [("reserve", None, "float32"), ("paged", None, "float32"),
-                                                           ("paged", "int8", "float32"), ("paged", None, "bfloat16")])
+                                                           ("paged", "int8", "float32"), ("paged", None, "bfloat16"),
+                                                           ("paged", None, "bfloat16-unpacked")])
 def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy, quantization, dtype,
                                                               monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
-    if dtype == "bfloat16":  # widened, with torch's bf16 GEMM from 2 rows, on any CPU: both GEMM paths run
+    if dtype.startswith("bfloat16"):  # widened, with oneDNN's bf16 GEMM from 2 rows, on any CPU: both GEMM paths run
+        monkeypatch.setenv("CHARIOTEER_ONEDNN_PACK", "0" if dtype == "bfloat16-unpacked" else "1")
+        dtype = "bfloat16"
         monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
         monkeypatch.setattr(llama, "native_bf16_gemm", lambda device: True)
         monkeypatch.setattr(llama, "NATIVE_BF16_MIN_ROWS", 2)

@@ -169,18 +169,26 @@ def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
-def test_widened_bf16_takes_torchs_bf16_gemm_from_its_native_rows():
+@pytest.mark.parametrize("pack", ["1", "0"], ids=["onednn_packed", "plain"])
+def test_widened_bf16_takes_torchs_bf16_gemm_from_its_native_rows(monkeypatch, pack):
     """Where the CPU computes bf16 (AMX), widened bf16 rounds the input of a batch of native_rows or
-    more to bf16 for torch's GEMM; fewer rows stay on the panel kernel. The cost model's small-batch
-    rows end where the panel kernel does. Both paths round input and product to bf16."""
+    more to bf16 for oneDNN's GEMM, on the weight packed for it unless CHARIOTEER_ONEDNN_PACK=0;
+    fewer rows stay on the panel kernel. The cost model's small-batch rows end where the panel
+    kernel does. Both paths round input and product to bf16."""
     from charioteer.model.llama import Kernels, NarrowLinear
+    from charioteer.model.precision import onednn_packs_bf16
 
+    monkeypatch.setenv("CHARIOTEER_ONEDNN_PACK", pack)
     w = torch.randn(96, 128).bfloat16()
     lin = NarrowLinear(w, None, panel_rows=cpu_kernels.max_rows(), native_rows=8)
-    small, large = torch.randn(7, 128), torch.randn(8, 128)
+    assert lin.weight.is_mkldnn == (pack == "1" and onednn_packs_bf16())
+    small, large, larger = torch.randn(7, 128), torch.randn(8, 128), torch.randn(200, 128)
     rounded = small.bfloat16().float()
     assert torch.equal(lin(small), cpu_kernels.linear(rounded, lin.panels, 96).bfloat16().float())
     assert torch.equal(lin(large), torch.nn.functional.linear(large.bfloat16(), w).float())
+    # oneDNN may block a larger GEMM's sums differently for a packed weight: one bf16 rounding apart
+    reference = torch.nn.functional.linear(larger.bfloat16(), w).float()
+    torch.testing.assert_close(lin(larger), reference, rtol=2 ** -7, atol=1e-6)
     with pytest.raises(ValueError, match="only bf16 weights without scales"):
         NarrowLinear(torch.ones(8, 64, dtype=torch.int8), torch.ones(8), cpu_kernels.max_rows(), native_rows=8)
     widened = Kernels(panel_rows=cpu_kernels.max_rows(), packed_gemm=False, row_ops=True, decode_attention=True,

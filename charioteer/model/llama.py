@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
-from charioteer.model.precision import QUANTIZATIONS, bf16_compute, native_bf16_gemm, quantize_int8
+from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
+                                        pack_native_bf16, quantize_int8)
 from charioteer.runtime import tune_allocator
 
 
@@ -154,16 +155,18 @@ class NarrowLinear:
     """y = x @ w.T with w stored narrower than x and widened to fp32 in the panel kernel's registers,
     so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
     NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM.
-    `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through torch's bf16
-    GEMM instead (AMX), its product widened back; fewer rows round as that GEMM does (0: never)."""
+    `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through oneDNN's bf16
+    GEMM instead (AMX) on the weight packed for it, its product widened back; fewer rows round as
+    that GEMM does (0: never)."""
 
     __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows")
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0) -> None:
         if native_rows and (weight.dtype != torch.bfloat16 or scale is not None):
             raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
-        self.weight, self.scale = weight, scale
         self.panels = cpu_kernels.pack(weight) if panel_rows else None
+        self.weight = pack_native_bf16(weight) if native_rows else weight
+        self.scale = scale
         self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
         self.native_rows = native_rows
 
@@ -171,7 +174,7 @@ class NarrowLinear:
         if self.native_rows:
             x = x.to(torch.bfloat16)
             if x.shape[0] >= self.native_rows:
-                return F.linear(x, self.weight).float()
+                return native_bf16_linear(x, self.weight).float()
             # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded to
             # bf16), so a row's result does not change with the number of rows in its batch beyond
             # the order of the fp32 sums

@@ -10,8 +10,10 @@
 - Where it has (AMX), a GEMM of NATIVE_BF16_MIN_ROWS rows or more, and a prompt's attention, run
   in bf16 (`native_bf16_gemm`): the input rounded to bf16, the product widened back. The panel
   kernel is faster only up to a few rows; widened with AMX GEMMs ran SmolLM2's chat workload 1.2x
-  faster than torch's bf16 ops, and LLaMA-7B layers as fast. CHARIOTEER_NATIVE_BF16_GEMM=0
-  keeps every GEMM widened; CHARIOTEER_BF16_COMPUTE=widened|torch forces one way (torch: torch's
+  faster than torch's bf16 ops, and LLaMA-7B layers as fast. Its weights are reordered once for
+  oneDNN (`pack_native_bf16`), as torch's own bf16 linear reorders them at every call.
+  CHARIOTEER_NATIVE_BF16_GEMM=0 keeps every GEMM widened, CHARIOTEER_ONEDNN_PACK=0 the native
+  ones on unpacked weights; CHARIOTEER_BF16_COMPUTE=widened|torch forces one way (torch: torch's
   bf16 ops throughout, as on a GPU or without the kernels).
 - `quantization="int8"` stores each linear layer's weight and the LM head as int8 with one scale
   per output channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only,
@@ -69,6 +71,30 @@ def native_bf16_gemm(device: torch.device, flags: set[str] | None = None) -> boo
     """Whether widened bf16's larger GEMMs run in torch's native bf16 (AMX) on `device`: where it
     computes bf16 natively, unless CHARIOTEER_NATIVE_BF16_GEMM=0."""
     return os.environ.get("CHARIOTEER_NATIVE_BF16_GEMM", "1") != "0" and native_bf16(device, flags)
+
+
+def pack_native_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] for `native_bf16_linear`: reordered once into oneDNN's blocked layout
+    where torch's oneDNN computes bf16 (an opaque tensor, the weight's only copy), else as it is.
+    F.linear on the plain weight reorders it at every call: 1.4-1.7x slower for 8 to 256 rows on
+    SmolLM2's layers with AMX. CHARIOTEER_ONEDNN_PACK=0 keeps it plain."""
+    if weight.device.type != "cpu" or not onednn_packs_bf16():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether `pack_native_bf16` packs: torch's oneDNN runs bf16 on this CPU, and
+    CHARIOTEER_ONEDNN_PACK is not 0."""
+    return (os.environ.get("CHARIOTEER_ONEDNN_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def native_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in bf16 for x bf16 [rows, in] and a weight from `pack_native_bf16`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], None)
+    return torch.nn.functional.linear(x, weight)
 
 
 def resolve_dtype(name: str, device: torch.device, flags: set[str] | None = None) -> torch.dtype:

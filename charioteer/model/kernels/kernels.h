@@ -24,9 +24,10 @@ class DecodeLayers {
  public:
   // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack).
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
-  // order; empty for fp32 or bf16 panels. `plain`: for bf16 panels, each layer's four weights
-  // unpacked, in the same order; a batch of `native_rows` rows or more rounds its input to bf16 and
-  // multiplies through torch's bf16 GEMM (AMX), as NarrowLinear does; empty: the panels only.
+  // order; empty for fp32 or bf16 panels. `plain`: for bf16 panels, each layer's four weights as
+  // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
+  // same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
+  // through oneDNN's bf16 GEMM (AMX), as NarrowLinear does; empty: the panels only.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
