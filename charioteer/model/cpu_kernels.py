@@ -240,7 +240,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, isa: str 
 
 
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """[T, 2I] fused gate/up projection -> silu(gate) * up, [T, I]."""
+    """[T, 2I] fused gate/up projection -> silu(gate) * up, [T, I], in fp32 or bf16: bf16 computes in
+    fp32 and rounds once, the fp32 result on the widened input rounded, bit for bit."""
     return _kernels(isa).silu_mul(gate_up)
 
 

@@ -156,12 +156,13 @@ class NarrowLinear:
     so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
     NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM.
     `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through oneDNN's bf16
-    GEMM instead (AMX) on the weight packed for it, its product widened back; fewer rows round as
-    that GEMM does (0: never)."""
+    GEMM instead (AMX) on the weight packed for it, its product widened back (kept bf16 with
+    `bf16_output`); fewer rows round as that GEMM does (0: never)."""
 
-    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows")
+    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output")
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0,
+                 bf16_output: bool = False) -> None:
         if native_rows and (weight.dtype != torch.bfloat16 or scale is not None):
             raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
         self.panels = cpu_kernels.pack(weight) if panel_rows else None
@@ -169,16 +170,19 @@ class NarrowLinear:
         self.scale = scale
         self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
         self.native_rows = native_rows
+        self.bf16_output = bf16_output and bool(native_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_rows:
             x = x.to(torch.bfloat16)
             if x.shape[0] >= self.native_rows:
-                return native_bf16_linear(x, self.weight).float()
-            # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded to
-            # bf16), so a row's result does not change with the number of rows in its batch beyond
-            # the order of the fp32 sums
-            return cpu_kernels.linear(x.float(), self.panels, self.weight.shape[0]).to(torch.bfloat16).float()
+                product = native_bf16_linear(x, self.weight)
+            else:
+                # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded
+                # to bf16), so a row's result does not change with the number of rows in its batch
+                # beyond the order of the fp32 sums
+                product = cpu_kernels.linear(x.float(), self.panels, self.weight.shape[0]).to(torch.bfloat16)
+            return product if self.bf16_output else product.float()
         if x.shape[0] <= self.panel_rows:
             return cpu_kernels.linear(x, self.panels, self.weight.shape[0], self.scale)
         weight = self.weight.float()
@@ -494,16 +498,18 @@ class LlamaModel:
         """The weights in the layouts self.kernels' GEMMs read, and the one-call decode runner."""
         c, k = self.config, self.kernels
 
-        def linear(weight: torch.Tensor) -> Linear | NarrowLinear:
+        def linear(weight: torch.Tensor, bf16_output: bool = False) -> Linear | NarrowLinear:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows)
             if k.widened_bf16:
-                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows)
+                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
-        # The layers' linear weights live in their Linear (once, in its own format).
-        self.linears = [{name: linear(layer.pop(name)) for name in ("qkv", "o", "gate_up", "down")}
-                        for layer in self.layers]
+        # The layers' linear weights live in their Linear (once, in its own format). Under native
+        # bf16 GEMMs the gate/up product stays bf16: SiLU takes it so, and gives the down
+        # projection's input already rounded, sparing two widened copies per layer.
+        self.linears = [{name: linear(layer.pop(name), bf16_output=name == "gate_up") for name in
+                         ("qkv", "o", "gate_up", "down")} for layer in self.layers]
         # With int8 the LM head is quantized too (a tied embedding keeps its table in dtype for the
         # lookups): it is the largest matrix of a small model, a third of SmolLM2's weights.
         self.lm_head_linear = None

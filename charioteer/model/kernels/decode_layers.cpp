@@ -11,6 +11,8 @@
 
 namespace {
 
+constexpr int64_t kGateUp = 2;  // the fused gate/up weight's index among a layer's four
+
 // precision.native_bf16_linear: a weight packed for oneDNN (an opaque mkldnn tensor) goes through
 // mkldnn::_linear_pointwise, which has no C++ API, so it is called through the dispatcher.
 torch::Tensor native_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -46,8 +48,9 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t n) const {
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
-    if (x.size(0) >= native_rows_) return native_bf16_linear(rounded, plain_[4 * layer + which]).to(torch::kFloat);
-    return panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16).to(torch::kFloat);
+    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(rounded, plain_[4 * layer + which])
+                                                   : panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16);
+    return which == kGateUp ? product : product.to(torch::kFloat);  // silu_mul takes gate/up in bf16, as in Python
   }
   return panel_linear(x, panels, n, scale(layer, which));
 }
@@ -73,7 +76,7 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
     auto attn = torch::empty({rows, heads_, head_dim_}, x.options());
     decode_attention(qk.narrow(1, 0, heads_), k_cache, v_cache, slots, lengths, scale_, attn);
     h = add_rms_norm_(x, linear(attn.view({rows, heads_ * head_dim_}), o_[l], l, 1, hidden), ffn_norm_[l], eps_);
-    const auto ffn = linear(silu_mul(linear(h, gate_up_[l], l, 2, 2 * intermediate_)), down_[l], l, 3, hidden);
+    const auto ffn = linear(silu_mul(linear(h, gate_up_[l], l, kGateUp, 2 * intermediate_)), down_[l], l, 3, hidden);
     if (l + 1 < layers) {
       h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_);
     } else {

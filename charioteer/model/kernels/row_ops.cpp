@@ -89,24 +89,62 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
-// gate_up [T, 2I] -> silu(gate) * up, [T, I].
+namespace {
+
+// silu(gate) * up over kLanes columns (n of them valid), in fp32.
+inline Vec silu_times(Vec gate, Vec up) {
+  return vmul(vdiv(gate, vadd(vset1(1.f), exp_ps(vsub(vzero(), gate)))), up);
+}
+
+// bf16 in, bf16 out, computed in fp32 between: what the fp32 kernel gives on the widened input,
+// rounded as torch rounds (NaN to 0xFFFF), bit for bit, without the widened copies (widened bf16's
+// GEMMs give and take bf16).
+void silu_mul_bf16(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const uint16_t* g = gp + r * gs;
+      uint16_t* o = op + r * inner;
+      int64_t c = 0;
+      for (; c + kLanes <= inner; c += kLanes) vstore_bf16(o + c, silu_times(vload_bf16(g + c), vload_bf16(g + inner + c)));
+      if (c < inner) {  // the tail through fp32 buffers, computed as above
+        float gate[kLanes], up[kLanes], result[kLanes];
+        const int64_t n = inner - c;
+        for (int64_t i = 0; i < n; ++i) {
+          gate[i] = c10::BFloat16(g[c + i], c10::BFloat16::from_bits());
+          up[i] = c10::BFloat16(g[inner + c + i], c10::BFloat16::from_bits());
+        }
+        vstore_n(result, silu_times(vload_n(gate, n), vload_n(up, n)), n);
+        for (int64_t i = 0; i < n; ++i) o[c + i] = std::isnan(result[i]) ? 0xFFFF : c10::BFloat16(result[i]).x;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// silu(gate) * up of a fused [rows, 2 * inner] projection, in its dtype (fp32 or bf16).
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+              (gate_up.scalar_type() == torch::kFloat || gate_up.scalar_type() == torch::kBFloat16),
+              "gate_up must be a 2-D fp32 or bf16 tensor with contiguous rows");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width");
   auto out = torch::empty({rows, inner}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kBFloat16) {
+    silu_mul_bf16(gate_up, out);
+    return out;
+  }
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
-    const Vec one = vset1(1.f);
     for (int64_t r = first; r < last; ++r) {
       const float* g = gp + r * gs;
-      for (int64_t c = 0; c < inner; c += kLanes) {
-        const Vec a = vload_n(g + c, inner - c);
-        const Vec s = vdiv(a, vadd(one, exp_ps(vsub(vzero(), a))));
-        vstore_n(op + r * inner + c, vmul(s, vload_n(g + inner + c, inner - c)), inner - c);
-      }
+      for (int64_t c = 0; c < inner; c += kLanes)
+        vstore_n(op + r * inner + c, silu_times(vload_n(g + c, inner - c), vload_n(g + inner + c, inner - c)), inner - c);
     }
   });
   return out;
