@@ -173,3 +173,29 @@ def test_nnls_finds_the_best_non_negative_fit():
                     best = min(best, np.linalg.norm(a[:, cols] @ sol - b))
         x = nnls(a, b)
         assert (x >= 0).all() and np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_nnls_keeps_coefficients_of_a_step_costs_scales():
+    """A step cost's coefficients run from 1e-3 s per step to 1e-9 s per attention product, its features
+    from 1 to 1e6; CI once fitted all of them to 0 (a tolerance in unscaled units), pricing every step free."""
+    import numpy as np
+
+    from charioteer.sim.validate import nnls, plan_features
+
+    true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 4e-5, 2e-9, 1e-8])
+    identifiable = [0, 3, 4, 5, 6, 7, 8]  # prefill_step and prefill_entries are collinear here
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        plans = []
+        for _ in range(300):
+            # at most one prompt chunk a step, as SARATHI plans
+            plan = [(int(rng.integers(1, 65)), int(rng.integers(0, 512)), True) for _ in range(rng.integers(0, 2))]
+            plan += [(1, int(rng.integers(1, 512)), False) for _ in range(rng.integers(0, 9))]
+            plans.append(plan or [(1, 7, False)])
+        a = np.array([plan_features(p, 8, 16) for p in plans])
+        b = a @ true
+        w = 1.0 / b
+        x = nnls(a * w[:, None], b * w)
+        assert (x >= 0).all() and a @ x == pytest.approx(b, rel=1e-6)
+        assert x[identifiable] == pytest.approx(true[identifiable], rel=1e-6)
+        assert x[1] + x[2] == pytest.approx(true[1] + true[2], rel=1e-6)

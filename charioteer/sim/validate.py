@@ -63,10 +63,16 @@ def plan_features(plan, small_batch_rows: int, widen_rows: int = 0) -> list[floa
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin |a x - b| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    """argmin |a x - b| subject to x >= 0 (Lawson and Hanson's active-set method).
+
+    Solved on unit-norm columns: a step cost's features span 9 orders of magnitude (1 per step, up to
+    1e6 attention products), and so do their coefficients; no single tolerance fits them unscaled."""
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
     n = a.shape[1]
     x, free = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 1e-10 * max(1.0, float(np.abs(a).max()) * float(np.abs(b).max()))
+    tol = 1e-10 * max(1.0, float(np.linalg.norm(b)))
     for _ in range(3 * n):
         gradient = a.T @ (b - a @ x)
         if free.all() or (gradient[~free] <= tol).all():
@@ -79,11 +85,13 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                 x = z
                 break
             # step from x towards z until the first free coefficient reaches 0, and fix it there
-            blocked = free & (z <= 0)
-            x = x + np.min(x[blocked] / (x[blocked] - z[blocked])) * (z - x)
-            free &= x > tol
+            blocked = np.flatnonzero(free & (z <= 0))
+            steps = x[blocked] / (x[blocked] - z[blocked])
+            x = x + steps.min() * (z - x)
+            x[blocked[np.argmin(steps)]] = 0.0
+            free &= x > 0
             x[~free] = 0.0
-    return x
+    return x / norms
 
 
 class StepCostModel(CostModel):
@@ -125,7 +133,10 @@ class StepCostModel(CostModel):
         # Relative error matters (batches span 100x in time): weight rows by 1 / t.
         w = 1.0 / np.maximum(b, 1e-6)
         x = nnls(a * w[:, None], b * w)
-        ratio = b / np.maximum(a @ x, 1e-9)
+        if (a @ x <= 0).any():
+            raise ValueError(f"the fitted step cost prices some of the {len(records)} timed batches at 0 s "
+                             f"(coefficients {dict(zip(FEATURES, x.round(9)))}): time more, and more varied, batches")
+        ratio = b / (a @ x)
         with_prompt = a[:, 1] > 0
         spread = {}
         for name, rows in zip(SPREAD_CLASSES, (with_prompt, ~with_prompt)):
