@@ -164,6 +164,16 @@ def test_paper_quick_writes_report_plots_and_json(capsys, tmp_path):
     assert re.search(r"\| [0-9.]+ \[[0-9.]+, [0-9.]+\] \|", report)  # medians with their spreads
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == 6
+    assert "), fp32, cpu" in report and "peak fp32 matmul" in report and "--dtype" not in report
+    # The report names the precision the run had (a bf16 run was once reported as fp32).
+    from charioteer.bench.report import write_report
+
+    results["roofline"]["dtype"] = "bfloat16"
+    (tmp_path / "bf16").mkdir()
+    write_report(results, str(tmp_path / "bf16"))
+    bf16 = (tmp_path / "bf16" / "report.md").read_text()
+    assert "--dtype bfloat16" in bf16 and "), bf16, cpu" in bf16 and "peak bf16 matmul" in bf16
+    assert "fp32" not in bf16.split("## Table 2")[0]
 
 
 def test_paper_plan_repeats_and_steps():

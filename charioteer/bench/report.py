@@ -93,15 +93,23 @@ def write_report(r: dict, out: str) -> dict:
               if roof.get("peak_raised_from_gflops") is not None else "")
     ident = roof.get("identity") or {}
     plan = r["plan"]
+    dtype = roof.get("dtype", "float32")
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    # A decode-only batch turns compute-bound at ridge x (weight bytes per parameter / 2 FLOP) tokens.
+    bound_tokens = round(roof["ridge_flops_per_byte"] * (4 if dtype == "float32" else 2) / 2)
+    gemms = ("Here the engine's fp32 matmuls (MKL packed GEMM up to 64 rows) are most efficient at 64 rows and step "
+             "up just past 64 (Figure 7 below)" if dtype == "float32" else
+             f"Here the engine's {short} matmuls step where Figure 7 below shows")
     lines = [
         "# SARATHI's single-machine experiments on Charioteer",
         "",
-        f"Command: `charioteer bench paper{' --quick' if r['quick'] else ''} --out {out}`; wall time {r['wall_s']} s "
+        f"Command: `charioteer bench paper{' --quick' if r['quick'] else ''}"
+        f"{'' if dtype == 'float32' else ' --dtype ' + dtype} --out {out}`; wall time {r['wall_s']} s "
         "(" + ", ".join(f"{k} {r[k].get('wall_s')} s" for k in ("profile", "decode_speedup", "e2e", "chunk_ablation", "tile")
                         if isinstance(r.get(k), dict) and "wall_s" in r[k]) + ").",
-        f"Model: {r['model']} ({r['layers']} layers, hidden {r['hidden_size']}), fp32, {r['device']}, "
+        f"Model: {r['model']} ({r['layers']} layers, hidden {r['hidden_size']}), {short}, {r['device']}, "
         f"{r['threads']} threads.",
-        f"Roofline: peak fp32 matmul {roof['peak_matmul_gflops']} GFLOP/s, memory bandwidth "
+        f"Roofline: peak {short} matmul {roof['peak_matmul_gflops']} GFLOP/s, memory bandwidth "
         f"{roof['memory_bandwidth_gbs']} GB/s (ridge {roof['ridge_flops_per_byte']} FLOP/byte), best of "
         f"{roof.get('trials', '?')} short trials on {ident.get('processor', '?')} "
         f"[{' '.join(ident.get('features') or [])}], torch {ident.get('torch', '?')}.{raised} MFU below is model "
@@ -115,10 +123,9 @@ def write_report(r: dict, out: str) -> dict:
         "overlap, otherwise \"not distinguishable\".",
         "",
         "Scale: the paper ran LLaMA-13B on an A6000, whose matmuls saturate at 256-512 tokens with 128-wide tiles. "
-        "Here the engine's fp32 matmuls (MKL packed GEMM up to 64 rows) are most efficient at 64 rows and step up "
-        f"just past 64 (Figure 7 below), and the ridge point is {roof['ridge_flops_per_byte']} FLOP/byte, so a "
-        f"decode-only batch of ~{round(2 * roof['ridge_flops_per_byte'])} tokens is already compute-bound: decodes are "
-        "far less memory-bound than on a GPU. Sequence lengths are "
+        f"{gemms}, and the ridge point is {roof['ridge_flops_per_byte']} FLOP/byte, so a decode-only batch of "
+        f"~{bound_tokens} tokens is already compute-bound. "
+        "Sequence lengths are "
         "the paper's / 4 (1K -> 256), the batch size is 16 (paper: 18 at 1K) and chunk sizes are 17, 33, 49, "
         "so that C + B - 1 = 32, 48, 64 rows (the paper's tile alignment).",
         "",
