@@ -413,3 +413,55 @@ def test_each_build_gives_the_fallbacks_greedy_outputs(fallback_outputs, isa):
     assert native["tokens"] == fallback_outputs["tokens"]
     for a, b in zip(native["logprobs"], fallback_outputs["logprobs"]):
         assert a == pytest.approx(b, abs=1e-3)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch():
+    """amx_linear: bf16 x @ w.T with fp32 sums (one order apart from torch's), the bf16 output that
+    result rounded; x read in place up to 64 rows (strided rows too) and copied past that or for a K
+    that does not tile; each row's bits the same in a batch of any size."""
+    torch.manual_seed(0)
+    for n, k in ((96, 128), (100, 70), (48, 576)):
+        w = torch.randn(n, k).bfloat16()
+        packed = cpu_kernels.amx_pack(w)
+        assert packed.shape == (-(-n // 16), -(-k // 32), 16, 32)
+        wide = torch.randn(130, k + 16).bfloat16()
+        alone = {}
+        for m in (1, 5, 16, 17, 33, 64, 65, 130):
+            # contiguous, and rows k + 16 apart
+            for strided, x in ((False, wide[:m, :k].contiguous()), (True, wide[:m, 8:8 + k])):
+                reference = x.float() @ w.float().T
+                out = cpu_kernels.amx_linear(x, packed, n)
+                torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)  # |out| ~ sqrt(k)
+                assert torch.equal(cpu_kernels.amx_linear(x, packed, n, bf16_output=True), out.bfloat16())
+                for i in range(m):
+                    row = alone.setdefault((i, strided), cpu_kernels.amx_linear(x[i:i + 1], packed, n))
+                    assert torch.equal(out[i], row[0]), (n, k, m, i)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        cpu_kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(monkeypatch):
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import AMX_MAX_ROWS, NATIVE_BF16_MIN_ROWS, Kernels, NarrowLinear
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
+    monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
+    kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
+    assert kernels.amx_tiles and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    assert kernels.small_batch_rows(quantized=False) == AMX_MAX_ROWS and kernels.widen_rows(quantized=False) == 0
+    w = torch.randn(96, 128).bfloat16()
+    lin = NarrowLinear(w, None, kernels.panel_rows, kernels.native_bf16_rows, amx_tiles=True)
+    small, large = torch.randn(AMX_MAX_ROWS, 128), torch.randn(AMX_MAX_ROWS + 1, 128)
+    assert torch.equal(lin(small), cpu_kernels.amx_linear(small.bfloat16(), lin.panels, 96).bfloat16().float())
+    torch.testing.assert_close(lin(large), torch.nn.functional.linear(large.bfloat16(), w).float(),
+                               rtol=2 ** -7, atol=1e-6)
+    with pytest.raises(ValueError, match="give native_rows"):
+        NarrowLinear(w, None, kernels.panel_rows, amx_tiles=True)
+    monkeypatch.setenv("CHARIOTEER_AMX", "0")
+    assert cpu_kernels.amx_unavailable_reason() == "disabled by CHARIOTEER_AMX=0"
+    off = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
+    assert not off.amx_tiles and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS

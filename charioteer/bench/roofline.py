@@ -335,8 +335,9 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     Random weights with a model's layer shapes (QKV, O, gate/up, down per layer; the defaults are
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
     packed GEMM (the engine's path above the panel kernel's rows, up to 64), the panel kernel (its path
-    up to cpu_kernels.max_rows() rows) on fp32, bf16 and int8 weights, and oneDNN's packed linear
-    where torch has them. Reports the layers' time, the weight bytes read per second (of the
+    up to cpu_kernels.max_rows() rows) on fp32, bf16 and int8 weights, oneDNN's packed linear
+    where torch has them, and where the CPU computes bf16, widened bf16's two GEMMs on bf16 input
+    (oneDNN's, and the AMX tile kernel where there are tiles). Reports the layers' time, the weight bytes read per second (of the
     weights as each backend stores them) and GFLOP/s, and the LM head's time and GB/s on its own
     ([vocab, hidden], as tied to the embedding).
     """
@@ -344,7 +345,7 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
 
     from charioteer.model import cpu_kernels
     from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
-    from charioteer.model.precision import quantize_int8
+    from charioteer.model.precision import native_bf16_linear, onednn_packs_bf16, pack_native_bf16, quantize_int8
 
     device = torch.device(device)
     h, inter, head_dim = hidden, intermediate, hidden // heads
@@ -388,6 +389,14 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
             and all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
         out.append(timed("onednn packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
                          lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")))
+    # widened bf16's GEMMs where the CPU computes bf16 (NarrowLinear): x rounded to bf16 at each call
+    if device.type == "cpu" and onednn_packs_bf16():
+        out.append(timed("onednn packed bf16", lambda w: pack_native_bf16(w.bfloat16()),
+                         lambda x, p, w: native_bf16_linear(x.bfloat16(), p), element_bytes=2))
+    if device.type == "cpu" and cpu_kernels.available() and cpu_kernels.amx_available():
+        out.append(timed("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
+                         lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
+                         element_bytes=2))
     for row in out:
         row["rows"] = rows
     return out

@@ -16,6 +16,10 @@ SDPA run such small shapes.
 - Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
+- `amx_linear`: bf16 GEMMs of up to a few dozen rows on AMX tiles, where the CPU has them
+  (`amx_available`; CHARIOTEER_AMX=0 turns it off): the weight packed in tile order and streamed,
+  x read in place. On SmolLM2's layers at 1 to 32 rows it beats both the panel kernel and
+  oneDNN's bf16 GEMM, which pays a per-call cost at these sizes.
 
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
 their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
@@ -48,7 +52,8 @@ HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / name for name in
-            ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp")]
+            ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp",
+             "amx_gemm.cpp")]
 _HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h")]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
 # want FMAs ask for them by intrinsic). Hidden symbols: both builds define the same C++ names, and
@@ -256,13 +261,51 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     fused gate/up and down weights; with int8 weights, `weight_scales` holds each layer's four
     column scales (QKV, O, gate/up, down), layer after layer. With bf16 weights, `plain_weights` may
     hold the four unpacked in the same order: a batch of `native_rows` rows or more then rounds its
-    input to bf16 for torch's bf16 GEMM (AMX) instead of the panels. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    input to bf16 for torch's bf16 GEMM (AMX) instead of the panels; smaller ones run the panels, or
+    `amx_linear` where the weights were packed by `amx_pack` instead. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
     lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
     [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
     """
     return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
                                       plain_weights or [], native_rows, heads, kv_heads, head_dim, intermediate, eps,
                                       scale)
+
+
+AMX_FLAGS = {"amx_tile", "amx_bf16"}  # /proc/cpuinfo names
+
+
+def amx_unavailable_reason(isa: str | None = None) -> str | None:
+    """None when `amx_linear` runs here (the CPU has AMX-BF16 tiles, Linux grants them to this process,
+    and CHARIOTEER_AMX is not 0), else why not."""
+    if os.environ.get("CHARIOTEER_AMX", "1") == "0":
+        return "disabled by CHARIOTEER_AMX=0"
+    if (isa or chosen_isa()) is None:
+        return f"no CPU kernels ({unavailable_reason()})"
+    flags = cpu_flags()
+    if not flags or not AMX_FLAGS <= flags:
+        return "the CPU has no AMX-BF16 tiles"
+    if not _kernels(isa).amx_ready():
+        return "Linux refused this process AMX's tile state (arch_prctl)"
+    return None
+
+
+def amx_available(isa: str | None = None) -> bool:
+    return amx_unavailable_reason(isa) is None
+
+
+def amx_pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """bf16 [N, K] -> [ceil(N/16), ceil(K/32), 16, 32], zero-padded: the weight in the order AMX's
+    B tiles read it, each 16 output columns one contiguous stream."""
+    return _kernels(isa).amx_pack(weight)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool = False,
+               isa: str | None = None) -> torch.Tensor:
+    """x bf16 [M, K] @ w.T -> [M, n] on AMX tiles, for packed = amx_pack(w): products of bf16 summed in
+    fp32, the result fp32 or rounded to bf16 (to nearest even). A row's result depends on its own row of
+    x alone. Faster than oneDNN's bf16 GEMM up to about 32 rows (`charioteer bench roofline
+    --decode-stream --dtype bfloat16`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
+    return _kernels(isa).amx_linear(x, packed, n, bf16_output)
 
 
 def argmax_rows(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:

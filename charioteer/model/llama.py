@@ -149,6 +149,13 @@ NARROW_PANEL_ROWS_FACTOR = 4
 # faster on LLaMA-7B's QKV and gate/up and 0.74-0.80x on SmolLM2's gate/up and LM head; at 16
 # rows 1.56-2.75x faster on all four; at 4 rows and fewer the panel kernel wins (1.04-2.8x).
 NATIVE_BF16_MIN_ROWS = 8
+# Where the CPU has AMX tiles (cpu_kernels.amx_available), widened bf16 runs cpu_kernels.amx_linear for
+# 1 to this many rows, in place of both the panel kernel and oneDNN, and oneDNN's GEMM above. On a Xeon
+# with AMX, 2 threads, SmolLM2's 30 layers of weights (interleaved, medians of 3 x 5): 4.6 against the
+# panel kernel's 5.3 ms at 1 row, 6.2 against oneDNN's 9.6 at 16, 9.5 against 11.8 at 32; at 48 and 64
+# rows oneDNN wins (12.6 against 13.5, 13.5 against 14.6). One LLaMA-7B layer: 12.4 against 11.8 (panel)
+# at 1 row, 13.0 against 16.1 (oneDNN) at 8, even at 16 and 48.
+AMX_MAX_ROWS = 32
 
 
 class NarrowLinear:
@@ -157,15 +164,19 @@ class NarrowLinear:
     NARROW_PANEL_ROWS_FACTOR * `panel_rows` rows the weight is widened once for one fp32 GEMM.
     `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through oneDNN's bf16
     GEMM instead (AMX) on the weight packed for it, its product widened back (kept bf16 with
-    `bf16_output`); fewer rows round as that GEMM does (0: never)."""
+    `bf16_output`); fewer rows round as that GEMM does (0: never), on the panel kernel, or with
+    `amx_tiles` on cpu_kernels.amx_linear (`panels` then holds the weight in its tile order)."""
 
-    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output")
+    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output", "amx_tiles")
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0,
-                 bf16_output: bool = False) -> None:
+                 bf16_output: bool = False, amx_tiles: bool = False) -> None:
         if native_rows and (weight.dtype != torch.bfloat16 or scale is not None):
             raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
-        self.panels = cpu_kernels.pack(weight) if panel_rows else None
+        if amx_tiles and not native_rows:
+            raise ValueError("the AMX tile kernel runs the rows below native_rows: give native_rows")
+        self.amx_tiles = amx_tiles
+        self.panels = cpu_kernels.amx_pack(weight) if amx_tiles else cpu_kernels.pack(weight) if panel_rows else None
         self.weight = pack_native_bf16(weight) if native_rows else weight
         self.scale = scale
         self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
@@ -177,6 +188,8 @@ class NarrowLinear:
             x = x.to(torch.bfloat16)
             if x.shape[0] >= self.native_rows:
                 product = native_bf16_linear(x, self.weight)
+            elif self.amx_tiles:
+                product = cpu_kernels.amx_linear(x, self.panels, self.weight.shape[0], bf16_output=True)
             else:
                 # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded
                 # to bf16), so a row's result does not change with the number of rows in its batch
@@ -275,6 +288,7 @@ class Kernels:
     invariant: str | None = None  # batch-invariant mode's path ("native" or "portable"), else None
     widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
     native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
+    amx_tiles: bool = False  # with native_bf16_rows: cpu_kernels.amx_linear below them, not the panel kernel
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -283,6 +297,8 @@ class Kernels:
             raise ValueError("widened bf16 runs the panel GEMM, the native row ops and decode attention: it needs all")
         if self.native_bf16_rows and not self.widened_bf16:
             raise ValueError("native_bf16_rows applies to widened bf16 only")
+        if self.amx_tiles and not self.native_bf16_rows:
+            raise ValueError("amx_tiles runs the rows below native_bf16_rows: it needs them")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -295,7 +311,8 @@ class Kernels:
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
         kernels) where they run (`bf16_runs_widened`) and the head size suits them, else torch's bf16
         ops; where the CPU computes bf16 (AMX), widened bf16 takes torch's bf16 GEMM from
-        NATIVE_BF16_MIN_ROWS rows and attends prompts in bf16 (`native_bf16_rows`). `batch_invariant` (fp32, no quantization): every kernel but MKL's on
+        NATIVE_BF16_MIN_ROWS rows and attends prompts in bf16 (`native_bf16_rows`); where it has AMX tiles
+        (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized:
@@ -312,12 +329,14 @@ class Kernels:
         # bf16 in torch's ops (AMX) still attends its decodes in the kernel, in fp32 on the bf16 cache read in
         # place: torch's SDPA per decode reads it at a fifth of the bandwidth (0.75 ms per 256-token LLaMA-7B decode)
         torch_bf16 = kernels and dtype == torch.bfloat16 and not widened
+        native_gemm = widened and not quantized and native_bf16_gemm(device)
+        amx = native_gemm and cpu_kernels.amx_available()
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
-                   native_bf16_rows=NATIVE_BF16_MIN_ROWS if widened and not quantized and native_bf16_gemm(device)
-                   else 0)
+                   native_bf16_rows=(AMX_MAX_ROWS + 1 if amx else NATIVE_BF16_MIN_ROWS) if native_gemm else 0,
+                   amx_tiles=amx)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -332,6 +351,8 @@ class Kernels:
         """With weights narrower than the activations (widened bf16, int8) on the panel GEMM: its row
         block. A batch of more rows widens each weight slice once before its row blocks use it; one
         block widens as it goes (0 for fp32 weights, which need no widening)."""
+        if self.amx_tiles:  # the tile kernel reads bf16 as it is
+            return 0
         return cpu_kernels.row_block() if self.panel_rows and (quantized or self.widened_bf16) else 0
 
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -502,7 +523,7 @@ class LlamaModel:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows)
             if k.widened_bf16:
-                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output)
+                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.amx_tiles)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format). Under native

@@ -18,4 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
+  m.def("amx_ready", &amx_ready, "whether Linux granted this process AMX's tile state");
+  m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the order AMX's B tiles read it");
+  m.def("amx_linear", &amx_linear, "x bf16 @ w.T on AMX tiles, for a weight packed by amx_pack", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
 }

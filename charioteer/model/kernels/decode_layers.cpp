@@ -48,7 +48,9 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t n) const {
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
+    // below native_rows: panels from amx_pack (4-d) on AMX tiles, else the panel kernel
     const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(rounded, plain_[4 * layer + which])
+                         : panels.dim() == 4       ? amx_linear(rounded, panels, n, true)
                                                    : panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16);
     return which == kGateUp ? product : product.to(torch::kFloat);  // silu_mul takes gate/up in bf16, as in Python
   }

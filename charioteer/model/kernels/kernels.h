@@ -19,10 +19,18 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
+// AMX tile GEMM (amx_gemm.cpp): only where the CPU has AMX-BF16, and after amx_ready().
+bool amx_ready();  // Linux granted this process the tile state
+// bf16 [N, K] -> [ceil(N/16), ceil(K/32), 16, 32]: per 16 columns and 32 k, the B tile tdpbf16ps reads.
+torch::Tensor amx_pack(const torch::Tensor& weight);
+// x bf16 [M, K] @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+
 // Every layer of a decode-only batch in one call (decode_layers.cpp).
 class DecodeLayers {
  public:
-  // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack).
+  // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack), or
+  // for bf16 with `plain`, into AMX tiles (amx_pack) where the model runs those.
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
   // order; empty for fp32 or bf16 panels. `plain`: for bf16 panels, each layer's four weights as
   // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
