@@ -151,10 +151,9 @@ NARROW_PANEL_ROWS_FACTOR = 4
 NATIVE_BF16_MIN_ROWS = 8
 # Where the CPU has AMX tiles (cpu_kernels.amx_available), widened bf16 runs cpu_kernels.amx_linear for
 # 1 to this many rows, in place of both the panel kernel and oneDNN, and oneDNN's GEMM above. On a Xeon
-# with AMX, 2 threads, SmolLM2's 30 layers of weights (interleaved, medians of 3 x 5): 4.6 against the
-# panel kernel's 5.3 ms at 1 row, 6.2 against oneDNN's 9.6 at 16, 9.5 against 11.8 at 32; at 48 and 64
-# rows oneDNN wins (12.6 against 13.5, 13.5 against 14.6). One LLaMA-7B layer: 12.4 against 11.8 (panel)
-# at 1 row, 13.0 against 16.1 (oneDNN) at 8, even at 16 and 48.
+# with AMX, 2 threads, SmolLM2's 30 layers of weights, best of 5 (`charioteer bench roofline --dtype
+# bfloat16 --decode-stream --rows N`): 6.05 ms as the panel kernel's at 1 row, 10.2 against oneDNN's
+# 13.4 at 16, 13.6 against 15.7 at 32, and 18.7 against 18.3 at 64, where oneDNN has caught up.
 AMX_MAX_ROWS = 32
 
 
