@@ -393,7 +393,7 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     if device.type == "cpu" and onednn_packs_bf16():
         out.append(timed("onednn packed bf16", lambda w: pack_native_bf16(w.bfloat16()),
                          lambda x, p, w: native_bf16_linear(x.bfloat16(), p), element_bytes=2))
-    if device.type == "cpu" and cpu_kernels.available() and cpu_kernels.amx_available():
+    if device.type == "cpu" and cpu_kernels.amx_available():
         out.append(timed("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
                          lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
                          element_bytes=2))

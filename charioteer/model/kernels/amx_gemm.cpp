@@ -133,6 +133,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   }
   const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   const auto* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* out_fp32 = bf16_output ? nullptr : out.data_ptr<float>();
+  at::BFloat16* out_bf16 = bf16_output ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, nb, 1, [&](int64_t first, int64_t last) {
     alignas(64) float c[kMaxRowTiles * kTileRows * kTileN];
     for (int64_t t0 = 0; t0 < row_tiles; t0 += kMaxRowTiles) {
@@ -152,11 +154,10 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
         for (int64_t r = 0; r < rows; ++r) {
           const float* src = c + r * kTileN;
           const int64_t offset = (t0 * kTileRows + r) * n + j * kTileN;
-          if (bf16_output) {
-            auto* dst = out.data_ptr<at::BFloat16>() + offset;
-            for (int64_t q = 0; q < cols; ++q) dst[q] = at::BFloat16(src[q]);  // to nearest even, as torch rounds
+          if (out_bf16 != nullptr) {
+            for (int64_t q = 0; q < cols; ++q) out_bf16[offset + q] = at::BFloat16(src[q]);  // to nearest even, as torch rounds
           } else {
-            std::memcpy(out.data_ptr<float>() + offset, src, cols * sizeof(float));
+            std::memcpy(out_fp32 + offset, src, cols * sizeof(float));
           }
         }
       }
