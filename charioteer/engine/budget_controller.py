@@ -2,17 +2,26 @@
 
 Every decode in a SARATHI batch waits for the whole batch, so a request's time between tokens is
 about one step's duration plus the engine's gap between steps. The step's duration grows with its
-tokens: the prompt chunk C (the token budget) plus the decodes riding along. The controller keeps
-the step records of the last few seconds and, after each one:
+tokens (the prompt chunk C, which is the token budget, plus the decodes riding along) and with its
+chunk's attention work: a chunk late in a long prompt attends to every position before it, and on
+this engine such a chunk can cost twice one at the prompt's start. A step over the SLO puts a gap
+over it for every decode it carries, so the p99 follows the dearest steps, not the typical one.
+The controller keeps the step records of the last few seconds and, after each one:
 
-1. predicts step time from tokens in the step: the 90th percentile of the durations in the
-   16-token bucket with the most steps (over its last 16, so a slowdown shows within a few
-   steps, and a stray slow step does not count), plus a slope in
-   seconds per token from the line through every bucket's 90th percentile (weighted by its steps);
-   with one bucket only, the line through the origin (steeper: growth is careful);
-2. picks the largest budget whose predicted step time (with the recent 90th-percentile decode
-   count and gap between steps) stays under SLO x margin x correction, rounded down to the
-   alignment and held within [min_budget, max_budget]; it rises at most 25% per step;
+1. fits step time = a + b x tokens + c x chunk attention pairs (query-key pairs; least squares,
+   every coefficient >= 0, recent steps weighted most) over the window. It refits only while the
+   window holds prompt chunks and spans at least 64 tokens: decode-only steps say nothing about
+   what a chunk token costs, so the last fit stands through them. The fit's tail is the 90th
+   percentile of the last 16 prompt steps' residuals. Before the first fit every token is priced
+   at the largest step's time per token (the line through the origin: steeper, so growth is
+   careful);
+2. prices the dearest step a budget can plan: a full chunk at the end of the longest prompt in the
+   window, with as many decodes as may ride along (`max_decodes`: B - 1 under SARATHI, so the
+   budget does not swing with the load and is right when the load peaks; else the recent 90th
+   percentile) and the gap between steps. It picks the largest budget whose dearest step stays
+   under SLO x margin x correction, aligned and within [min_budget, max_budget]. It rises at most
+   25% per step, and only to what fits 3% under that target (a band, so the fit's jitter does not
+   move it);
 3. corrects with what clients saw: once enough fresh gaps are in, a measured p99 over the SLO
    cuts the correction at once (in proportion), and a p99 well under it raises the correction
    slowly, but only while the fit chose the budget and the budget limited the steps (else there is
@@ -28,29 +37,66 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from charioteer.engine.step_record import StepRecord
 from charioteer.engine.tbt import TimeBetweenTokens, percentile
 
-BUCKET_TOKENS = 16
-RECENT = 16  # a bucket's time is the 90th percentile of its last steps, so a slowdown shows at once
+RECENT = 16  # the fit's tail is the 90th percentile of the last prompt steps' residuals
+RISE_BAND = 0.97  # a budget rises only to what fits 3% under the target, and falls once it does not fit
+SLOPE_SPAN = 64  # tokens of spread the window needs (with prompt chunks) before it refits the cost
+PAIRS_UNIT = 1e6  # attention pairs are fitted in millions, to keep the three features' scales near
 
 
 @dataclass(frozen=True)
 class _Step:
     end: float
     tokens: int
+    pairs: float  # query-key pairs its prompt chunks' attention scored, in PAIRS_UNIT
     decodes: int
+    prompt_end: int  # the furthest prompt position a chunk of it reached (0: no prompt work)
     duration_s: float
     gap_before_s: float | None  # idle engine time since the previous step ended
     budget_bound: bool  # the step's prompt tokens filled (most of) its budget
 
 
+def chunk_pairs(start: int, tokens: int) -> float:
+    """Query-key pairs of `tokens` causal queries at positions start.. over the cache before them."""
+    return tokens * (start + (tokens + 1) / 2)
+
+
+def nonnegative_fit(rows: list[tuple[float, float, float]], weights: list[float]) -> tuple[float, float, float] | None:
+    """(a, b, c) >= 0 minimizing sum w (a + b x + c z - y)^2 over rows (x, z, y): the best weighted
+    least-squares fit over every subset of the three terms whose solution is >= 0 (for three terms,
+    this is the non-negative least-squares optimum). None where no term can be fitted."""
+    X = np.array([[1.0, x, z] for x, z, _ in rows])
+    y = np.array([r[2] for r in rows])
+    w = np.asarray(weights, dtype=float)
+    gram, moment, yy = X.T @ (w[:, None] * X), X.T @ (w * y), float(w @ (y * y))
+    best, best_sse = None, math.inf
+    for terms in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
+        g = gram[np.ix_(terms, terms)]
+        if np.linalg.matrix_rank(g) < len(terms):
+            continue
+        coef = np.linalg.solve(g, moment[terms])
+        if (coef < 0).any():
+            continue
+        sse = yy - 2 * coef @ moment[terms] + coef @ g @ coef
+        if sse < best_sse:
+            best_sse, best = sse, dict(zip(terms, coef.tolist()))
+    return None if best is None else (best.get(0, 0.0), best.get(1, 0.0), best.get(2, 0.0))
+
+
 class TokenBudgetController:
     def __init__(self, slo_s: float, min_budget: int, max_budget: int, *, includes_decodes: bool = False,
-                 align: int = 16, window_s: float = 3.0, max_steps: int = 256, margin: float = 0.9,
+                 max_decodes: int | None = None, align: int = 16, window_s: float = 3.0, max_steps: int = 256, margin: float = 0.9,
                  min_gaps: int = 32) -> None:
         """`includes_decodes`: the budget counts the decodes too (token-budget mode), else it is the
-        prompt chunk alone (strict SARATHI)."""
+        prompt chunk alone (strict SARATHI). `max_decodes`: the most decodes a step with a chunk can
+        carry, priced into every budget (None: the recent steps' 90th percentile)."""
+        if max_decodes is not None and max_decodes < 0:
+            raise ValueError(f"max_decodes must be >= 0, got {max_decodes}")
+        self.max_decodes = max_decodes
         if not slo_s > 0:
             raise ValueError(f"the TBT SLO must be > 0 s, got {slo_s}")
         if not 1 <= min_budget <= max_budget:
@@ -67,6 +113,7 @@ class TokenBudgetController:
         self._steps: deque[_Step] = deque(maxlen=max_steps)
         self._prev_end: float | None = None
         self._model_bound = False  # the fit (not a bound or the rise limit) chose the last budget
+        self._cost: tuple[float, float, float] | None = None  # (a, b, c) of the last window that could tell
         self.history: list[tuple[int, int]] = []  # (step index, budget) at each change
 
     @property
@@ -81,8 +128,11 @@ class TokenBudgetController:
         self._prev_end = end
         budget = record.token_budget or self.budget
         used = record.num_tokens if self.includes_decodes else record.num_prefill_tokens
-        self._steps.append(_Step(end, record.num_tokens, record.num_decode_tokens, record.duration_s, gap,
-                                 used >= 0.75 * budget))
+        chunks = [e for e in record.entries if e.is_prefill]
+        pairs = sum(chunk_pairs(e.start, e.num_tokens) for e in chunks) / PAIRS_UNIT
+        prompt_end = max((e.start + e.num_tokens for e in chunks), default=0)
+        self._steps.append(_Step(end, record.num_tokens, pairs, record.num_decode_tokens, prompt_end,
+                                 record.duration_s, gap, used >= 0.75 * budget))
         while len(self._steps) > 8 and self._steps[0].end < end - self.window_s:
             self._steps.popleft()
         self.tbt.observe(record)
@@ -106,49 +156,64 @@ class TokenBudgetController:
             return
         self.tbt.clear()
 
-    def fit(self) -> tuple[float, float, float] | None:
-        """(anchor tokens, its step time, seconds per token) over the window, None before 4 steps.
-
-        The anchor is the 16-token bucket holding the most steps (in steady state: the current
-        budget's), its time the 90th percentile of their durations; the slope is the weighted line
-        through every bucket's 90th percentile, or where that is unsure (one bucket, a slope <= 0),
-        the anchor's time per token (the line through the origin: steeper, so growth is careful); the
-        fitted slope is held within [1/4, 1] of that one.
-        """
-        if len(self._steps) < 4:
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, tail): step time = a + b x tokens + c x pairs (in PAIRS_UNIT), and the 90th
+        percentile of the prompt steps' residuals; None before the first window that could tell."""
+        steps = list(self._steps)
+        prompt_steps = [s for s in steps if s.prompt_end]
+        tokens = [s.tokens for s in steps]
+        if len(prompt_steps) >= 4 and max(tokens) - min(tokens) >= SLOPE_SPAN:
+            half_life = self.window_s / 4  # recent steps count most, so a slowdown moves the fit at once
+            weights = [0.5 ** ((steps[-1].end - s.end) / half_life) for s in steps]
+            cost = nonnegative_fit([(s.tokens, s.pairs, s.duration_s) for s in steps], weights)
+            if cost is not None and (cost[1] > 0 or cost[2] > 0):
+                self._cost = cost
+        if self._cost is None:
             return None
-        buckets: dict[int, list[_Step]] = {}
-        for s in self._steps:
-            buckets.setdefault(s.tokens // BUCKET_TOKENS, []).append(s)
-        points = [(sum(s.tokens for s in b) / len(b), percentile([s.duration_s for s in b[-RECENT:]], 0.9), len(b))
-                  for b in buckets.values()]
-        anchor_n, anchor_t, _ = max(points, key=lambda p: (p[2], p[0]))
-        through_origin = anchor_t / max(anchor_n, 1)
-        slope = through_origin
-        if len(points) >= 2:
-            w = sum(p[2] for p in points)
-            mx = sum(n * k for n, _, k in points) / w
-            my = sum(t * k for _, t, k in points) / w
-            sxx = sum(k * (n - mx) ** 2 for n, _, k in points)
-            fitted = sum(k * (n - mx) * (t - my) for n, t, k in points) / sxx
-            # A slope above the line through the origin means a negative intercept: noise. One far
-            # below it would let a few noisy buckets throw the budget up.
-            slope = min(max(fitted, through_origin / 4), through_origin)
-        return anchor_n, anchor_t, slope
+        a, b, c = self._cost
+        recent = (prompt_steps or steps)[-RECENT:]
+        residuals = [s.duration_s - (a + b * s.tokens + c * s.pairs) for s in recent]
+        return a, b, c, max(0.0, percentile(residuals, 0.9))
+
+    def _worst_step_s(self, cost: tuple[float, float, float, float], budget: int, decodes: float,
+                      prompt_len: int) -> float:
+        """The fitted time of the dearest step `budget` can plan: a full chunk at the end of the longest
+        prompt in the window (or of one as long as the chunk), with the decodes. The chunk is never
+        cut to the prompts seen: the budget must hold for the next, longer one too."""
+        a, b, c, tail = cost
+        chunk = max(0, round(budget - decodes)) if self.includes_decodes else budget
+        pairs = chunk_pairs(max(prompt_len, chunk) - chunk, chunk) / PAIRS_UNIT
+        return a + b * (chunk + decodes) + c * pairs + tail
+
+    def _largest_fitting(self, cost, target: float, decodes: float, prompt_len: int) -> int:
+        """The largest aligned budget whose worst step fits `target` (one align under the floor if none)."""
+        candidate = math.floor(self.max_budget / self.align) * self.align
+        while candidate >= self.min_budget:
+            if self._worst_step_s(cost, candidate, decodes, prompt_len) <= target:
+                return candidate
+            candidate -= self.align
+        return self.min_budget - self.align
 
     def _choose(self) -> int:
-        line = self.fit()
-        if line is None:
+        if len(self._steps) < 4:
             return self.budget
-        anchor_n, anchor_t, per_token = line
         steps = list(self._steps)
         gaps = [s.gap_before_s for s in steps if s.gap_before_s is not None and s.gap_before_s < self.slo_s]
         overhead = percentile(gaps, 0.9) if gaps else 0.0
-        decodes = percentile([s.decodes for s in steps], 0.9)
         target = self.slo_s * self.margin * self.correction - overhead
-        rows = anchor_n + (target - anchor_t) / per_token
-        value = rows if self.includes_decodes else rows - decodes
-        value = math.floor(value / self.align) * self.align if math.isfinite(value) else self.max_budget
+        decodes = self.max_decodes if self.max_decodes is not None else percentile([s.decodes for s in steps], 0.9)
+        prompt_len = max(s.prompt_end for s in steps)
+        cost = self.fit()
+        if cost is None:  # no cost yet: the largest step's time per token, for every token
+            largest = max(steps, key=lambda s: s.tokens)
+            per_token = largest.duration_s / max(largest.tokens, 1)
+            rows = target / per_token
+            value = rows if self.includes_decodes else rows - decodes
+            value = math.floor(value / self.align) * self.align if math.isfinite(value) else self.max_budget
+        else:
+            value = self._largest_fitting(cost, target, decodes, prompt_len)
+            if value > self.budget:  # rise only past a band, so the fit's jitter does not move it
+                value = max(self.budget, self._largest_fitting(cost, target * RISE_BAND, decodes, prompt_len))
         rise = max(math.floor(self.budget * 1.25 / self.align), self.budget // self.align + 1) * self.align
         self._model_bound = self.min_budget <= value <= min(rise, self.max_budget)
         value = min(value, rise)  # rise gradually: the fit is least sure beyond the steps it has seen

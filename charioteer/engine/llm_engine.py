@@ -91,6 +91,8 @@ class LLMEngine:
         low = max(config.min_chunk_size, config.max_num_seqs) if config.token_budget_mode else config.min_chunk_size
         controller = TokenBudgetController(config.tbt_slo_ms / 1e3, min(low, config.max_chunk_size),
                                            config.max_chunk_size, includes_decodes=config.token_budget_mode,
+                                           # a chunk rides with up to B - 1 decodes (token-budget mode: inside it)
+                                           max_decodes=None if config.token_budget_mode else config.max_num_seqs - 1,
                                            align=config.tile_size or BUDGET_ALIGN)
         scheduler = self.scheduler  # not self: the engine's observers must not hold the engine in a cycle
         scheduler.set_token_budget(controller.budget)
