@@ -12,19 +12,27 @@ from charioteer.engine.tbt import TimeBetweenTokens
 
 class FakeEngine:
     """Steps of one prompt chunk of the controller's budget plus `decodes` running decodes, timed by a
-    linear cost model: duration = a + b * tokens (+ `slow_every`-th step `slow_factor` times slower)."""
+    linear cost model: duration = a + b * tokens + c * the chunk's query-key pairs in millions
+    (+ `slow_every`-th step `slow_factor` times slower). The chunks walk through prompts of
+    `prompt_len` tokens, one after another (0: every chunk starts a prompt)."""
 
-    def __init__(self, controller, a=0.005, b=0.0001, decodes=8, slow_every=0, slow_factor=1.0):
-        self.controller, self.a, self.b, self.decodes = controller, a, b, decodes
-        self.slow_every, self.slow_factor = slow_every, slow_factor
-        self.now, self.index = 100.0, 0
+    def __init__(self, controller, a=0.005, b=0.0001, decodes=8, slow_every=0, slow_factor=1.0, c=0.0,
+                 prompt_len=0):
+        self.controller, self.a, self.b, self.c, self.decodes = controller, a, b, c, decodes
+        self.slow_every, self.slow_factor, self.prompt_len = slow_every, slow_factor, prompt_len
+        self.now, self.index, self.position = 100.0, 0, 0
         self.prompts = True  # False: decode-only steps (no prompt waiting)
 
     def step(self) -> int:
         chunk = self.controller.budget if self.prompts else 0
-        entries = (*((EntryRecord("prompt", 0, chunk, True, False),) if chunk else ()),
+        start = self.position
+        if self.prompt_len and chunk:
+            chunk = min(chunk, self.prompt_len - start)
+            self.position = (start + chunk) % self.prompt_len
+        entries = (*((EntryRecord("prompt", start, chunk, True, False),) if chunk else ()),
                    *(EntryRecord(f"d{i}", 50, 1, False, True) for i in range(self.decodes)))
-        duration = self.a + self.b * (chunk + self.decodes)
+        pairs = chunk * (start + (chunk + 1) / 2) / 1e6
+        duration = self.a + self.b * (chunk + self.decodes) + self.c * pairs
         if self.slow_every and self.index % self.slow_every == self.slow_every - 1:
             duration *= self.slow_factor
         record = StepRecord(entries=entries, index=self.index, preempted=(), finished=(), start_time=self.now,
@@ -39,7 +47,7 @@ class FakeEngine:
         return [self.step() for _ in range(n)]
 
 
-def limit(slo_s, a, b, decodes, gap=0.0005, margin=0.9, align=16):
+def limit(slo_s, a, b, decodes, gap=0.0005, margin=0.85, align=16):
     """The largest aligned chunk whose step (and gap) fits SLO x margin under the cost model."""
     rows = (slo_s * margin - gap - a) / b
     return int((rows - decodes) // align * align)
@@ -48,7 +56,7 @@ def limit(slo_s, a, b, decodes, gap=0.0005, margin=0.9, align=16):
 def test_grows_to_the_largest_budget_under_the_slo_and_stays_aligned():
     c = TokenBudgetController(0.05, 16, 512)
     budgets = FakeEngine(c).run(200)
-    best = limit(0.05, 0.005, 0.0001, 8)  # 368
+    best = limit(0.05, 0.005, 0.0001, 8)  # 352
     assert budgets[0] == 16 and budgets[-1] >= 0.9 * best
     steady = budgets[100:]
     assert max(steady) <= best + 16
@@ -85,13 +93,44 @@ def test_a_spell_of_decode_only_steps_keeps_the_budget():
     be read as a price per chunk token once a slope is known."""
     c = TokenBudgetController(0.15, 16, 512)
     engine = FakeEngine(c, a=0.017, b=0.0005)
-    best = limit(0.15, 0.017, 0.0005, 8)  # 224
+    best = limit(0.15, 0.017, 0.0005, 8)  # 208
     assert engine.run(200)[-1] >= 0.8 * best
     engine.prompts = False
     idle = engine.run(300)  # over 6 s: the window holds decode-only steps alone
     assert min(idle) >= 0.8 * best
     engine.prompts = True
     assert engine.run(50)[-1] >= 0.8 * best and c.tbt_p99_s <= 0.15
+
+
+def test_the_budget_fits_the_last_chunk_of_a_long_prompt():
+    """A chunk attends to the whole prompt before it, so the last chunk of a 2,000-token prompt is the
+    dearest step: the budget must fit that one, not the average chunk."""
+    c = TokenBudgetController(0.175, 16, 512, max_decodes=15)
+    engine = FakeEngine(c, a=0.017, b=0.0004, c=0.1, decodes=15, prompt_len=2000)
+
+    def last_chunk_s(chunk):
+        return 0.017 + 0.0004 * (chunk + 15) + 0.1 * chunk * (2000 - (chunk - 1) / 2) / 1e6
+
+    best = max(chunk for chunk in range(16, 513, 16) if last_chunk_s(chunk) + 0.0005 <= 0.175 * 0.85)  # 208
+    first_chunk = max(chunk for chunk in range(16, 513, 16)
+                      if 0.017 + 0.0004 * (chunk + 15) + 0.1 * chunk * chunk / 2e6 + 0.0005 <= 0.175 * 0.85)
+    assert first_chunk >= best + 64  # priced at a prompt's start, the budget would be far too large
+    budgets = engine.run(400)
+    assert 0.8 * best <= budgets[-1] <= best and max(budgets[200:]) <= best
+    assert c.tbt_p99_s <= 0.175
+
+
+def test_light_load_does_not_raise_the_target_past_the_slo():
+    """With a chunk every 100th step the clients' p99 comes from decode-only steps, far under the SLO:
+    that says nothing about the chunk steps, so the budget stays where their cost puts it."""
+    c = TokenBudgetController(0.15, 16, 512, max_decodes=8)
+    engine = FakeEngine(c, a=0.017, b=0.0005)
+    budgets = []
+    for i in range(3000):
+        engine.prompts = i % 100 < 3
+        budgets.append(engine.step())
+    assert c.correction <= 1.0
+    assert max(budgets[1000:]) <= limit(0.15, 0.017, 0.0005, 8)
 
 
 def test_a_measured_p99_over_the_slo_shrinks_what_the_fit_allows():
@@ -221,8 +260,31 @@ def test_bench_budget_capacity_json(capsys):
     assert out["checks"]["fixed_within_5pct_everywhere"] == [16, 64]
 
 
+def test_capacity_searches_advance_together():
+    """Each budget's search probes in turn (A B A B ...), so a drift in the machine's speed lands on
+    every budget alike; each search still finds its own capacity."""
+    from types import SimpleNamespace
+
+    from charioteer.bench.budget_capacity import Probe, find_capacities
+
+    args = SimpleNamespace(start_rate=1.0, max_rate=64.0, bisections=2)
+    order = []
+
+    def prober(name, capacity):
+        def probe(rate):
+            order.append(name)
+            return Probe(rate, 4, 0.0, 0.0, rate <= capacity, 0.0, None)
+        return probe
+
+    found = find_capacities({"a": prober("a", 3.0), "b": prober("b", 0.3), "c": prober("c", 100.0)}, args)
+    assert {k: v[0] for k, v in found.items()} == {"a": 3.0, "b": 0.25, "c": 64.0}
+    assert [p.rate for p in found["a"][1]] == [1.0, 2.0, 4.0, 3.0, 3.5]
+    assert order[:6] == ["a", "b", "c", "a", "b", "c"]
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "needs --tbt-slo-ms"),
+    (["--tbt-slo-ms", "50", "--ttft-slo-ms", "1,2,3"], "one bound or one per workload"),
     (["--tbt-slo-ms", "-3"], "tbt_slo_ms must be a positive number"),
     (["--tbt-slo-ms", "50", "--duration", "0"], "--duration must be > 0"),
 ])

@@ -5,11 +5,15 @@ The engine runs in this process. A probe at rate r sends max(--min-requests, r x
 requests of one workload (P prompt tokens, D output tokens, EOS ignored) at seeded Poisson arrival
 times and serves them to the end; it holds when the p99 time between tokens (from the step
 records) is <= the SLO and the p99 time to first token is <= --ttft-slo-ms (without a TTFT bound a
-small budget "holds" any rate: its queue grows, its decodes stay fast). The capacity is found by
-doubling from --start-rate while probes hold (halving while they fail), then --bisections steps of
-bisection. One engine serves every probe of a search, after a short warm-up, so the steered budget
-starts each probe from what it learned (as a server would). Searches are repeated --repeats times,
-interleaved (every budget once per round); capacities are medians with their spread.
+small budget "holds" any rate: its queue grows, its decodes stay fast; --ttft-slo-ms takes one
+bound, or one per workload, since a long prompt's prefill alone can take seconds here). The capacity
+is found by doubling from --start-rate while probes hold (halving while they fail), then
+--bisections steps of bisection. One engine per budget serves every probe of its search, after a
+short warm-up, so the steered budget starts each probe from what it learned (as a server would).
+The budgets' searches of a workload advance together, one probe each in turn (A B C A B C ...): this
+machine's speed drifts by a third over minutes, more than the budgets differ, and a search run
+minutes after another would measure the drift. Rounds are repeated --repeats times; capacities are
+medians with their spread.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from charioteer.bench.common import format_table, int_list, progress_bar
+from charioteer.bench.common import float_list, format_table, int_list, progress_bar
 from charioteer.bench.stats import Summary
 from charioteer.config import EngineArgs, add_setting_args, check_settings
 from charioteer.engine.llm_engine import LLMEngine
@@ -96,25 +100,26 @@ def run_probe(engine: LLMEngine, workload: Workload, rate: float, n: int, seed: 
                  True, round(time.monotonic() - start, 2), budgets[-1] if budgets else None)
 
 
+def ttft_slo_ms(args, workload: Workload) -> float:
+    """--ttft-slo-ms for `workload`: its own value, or the one for every workload."""
+    values = args.ttft_slo_ms
+    return values[0] if len(values) == 1 else values[args.workloads.index(workload)]
+
+
 def probe_slo(engine: LLMEngine, workload: Workload, rate: float, args, salt: int) -> Probe:
     """One probe at `rate` (--duration of arrivals), judged against the SLOs."""
     p = run_probe(engine, workload, rate, max(args.min_requests, round(rate * args.duration)), args.seed, salt)
-    p.holds = p.tbt_p99_ms <= args.tbt_slo_ms and p.ttft_p99_ms <= args.ttft_slo_ms
+    p.holds = p.tbt_p99_ms <= args.tbt_slo_ms and p.ttft_p99_ms <= ttft_slo_ms(args, workload)
     return p
 
 
-def find_capacity(probe, args) -> tuple[float, list[Probe]]:
-    """The highest rate that held (0 if none did): double (or halve) from --start-rate, then bisect.
-    Gives up below --start-rate / 4 (slow rates make long probes) and stops doubling at --max-rate."""
-    probes: list[Probe] = []
-
-    def held(rate: float) -> bool:
-        probes.append(probe(rate))
-        return probes[-1].holds
-
+def capacity_search(args):
+    """A generator of the rates to probe, sent whether each held; it returns the highest rate that
+    held (0 if none did): double (or halve) from --start-rate, then bisect. Gives up below
+    --start-rate / 4 (slow rates make long probes) and stops doubling at --max-rate."""
     rate, lo, hi = args.start_rate, None, None
     while lo is None or hi is None:
-        if held(rate):
+        if (yield rate):
             lo = rate
             rate *= 2
         else:
@@ -124,11 +129,29 @@ def find_capacity(probe, args) -> tuple[float, list[Probe]]:
             break  # nothing holds, or --max-rate holds: the capacity is at least that
     for _ in range(args.bisections if lo is not None and hi is not None else 0):
         mid = (lo + hi) / 2
-        if held(mid):
+        if (yield mid):
             lo = mid
         else:
             hi = mid
-    return lo or 0.0, probes
+    return lo or 0.0
+
+
+def find_capacities(probes: dict, args) -> dict:
+    """Run one capacity search per key of `probes` (a function rate -> Probe), advancing them one
+    probe each in turn; {key: (capacity, [Probe, ...])}."""
+    searches = {key: capacity_search(args) for key in probes}
+    done: dict = {}
+    pending = {key: next(search) for key, search in searches.items()}
+    trail: dict = {key: [] for key in probes}
+    while pending:
+        for key in list(pending):
+            trail[key].append(probes[key](pending[key]))
+            try:
+                pending[key] = searches[key].send(trail[key][-1].holds)
+            except StopIteration as stop:
+                done[key] = (stop.value, trail[key])
+                del pending[key]
+    return done
 
 
 def engine_for(loaded, budget, args) -> LLMEngine:
@@ -140,20 +163,30 @@ def engine_for(loaded, budget, args) -> LLMEngine:
                                 enable_prefix_caching=False), loaded=loaded)
 
 
-def search(loaded, workload: Workload, budget, args, round_index: int) -> dict:
-    engine = engine_for(loaded, budget, args)
-    run_probe(engine, Workload(workload.prompt_len, min(workload.output_len, 8)), args.start_rate, 4, args.seed + 1,
-              salt=1)  # warm-up
-    capacity, probes = find_capacity(lambda rate: probe_slo(engine, workload, rate, args, 97 * round_index), args)
-    del engine
+def search_round(loaded, workload: Workload, budgets: list, args, round_index: int, progress=None) -> dict:
+    """One round of a workload: every budget's capacity search, interleaved probe by probe."""
+    engines = {}
+    for budget in budgets:
+        engines[budget] = engine_for(loaded, budget, args)
+        run_probe(engines[budget], Workload(workload.prompt_len, min(workload.output_len, 8)), args.start_rate, 4,
+                  args.seed + 1, salt=1)  # warm-up
+    found = find_capacities({b: (lambda rate, e=engines[b]: probe_slo(e, workload, rate, args, 97 * round_index))
+                             for b in budgets}, args)
+    engines.clear()
     gc.collect()
-    at = next((p for p in probes if p.holds and p.rate == capacity), None)
-    if args.verbose:
-        for p in probes:
-            print(f"  {workload.name} budget {budget}: {p.rate:.3g} req/s, p99 TBT {p.tbt_p99_ms} ms, p99 TTFT "
-                  f"{p.ttft_p99_ms} ms -> {'holds' if p.holds else 'fails'}", file=sys.stderr)
-    return {"capacity_rps": capacity, "tbt_p99_ms": at.tbt_p99_ms if at else None,
-            "ttft_p99_ms": at.ttft_p99_ms if at else None, "probes": [vars(p) for p in probes]}
+    out = {}
+    for budget, (capacity, probes) in found.items():
+        at = next((p for p in probes if p.holds and p.rate == capacity), None)
+        if args.verbose:
+            for p in probes:
+                print(f"  {workload.name} budget {budget}: {p.rate:.3g} req/s, p99 TBT {p.tbt_p99_ms} ms, p99 TTFT "
+                      f"{p.ttft_p99_ms} ms, last budget {p.budget_last} -> {'holds' if p.holds else 'fails'}",
+                      file=sys.stderr)
+        out[budget] = {"capacity_rps": capacity, "tbt_p99_ms": at.tbt_p99_ms if at else None,
+                       "ttft_p99_ms": at.ttft_p99_ms if at else None, "probes": [vars(p) for p in probes]}
+    if progress:
+        progress.update()
+    return out
 
 
 def run_budget_capacity(loaded, args, progress=None) -> dict:
@@ -161,10 +194,8 @@ def run_budget_capacity(loaded, args, progress=None) -> dict:
     runs: dict[tuple[str, str], list[dict]] = {(w.name, str(b)): [] for w in args.workloads for b in budgets}
     for r in range(args.repeats):
         for w in args.workloads:
-            for b in budgets:
-                runs[(w.name, str(b))].append(search(loaded, w, b, args, r))
-                if progress:
-                    progress.update()
+            for b, found in search_round(loaded, w, budgets, args, r, progress).items():
+                runs[(w.name, str(b))].append(found)
     rows = []
     for (w, b), found in runs.items():
         cap = Summary.of(f["capacity_rps"] for f in found)
@@ -200,21 +231,24 @@ def cmd_bench_budget_capacity(args) -> int:
         raise ValueError("need --repeats >= 1, --bisections >= 0 and --min-requests >= 1")
     if args.tbt_slo_ms is None:
         raise ValueError("bench budget-capacity needs --tbt-slo-ms (the SLO every budget is held to)")
-    for flag in ("duration", "start_rate", "max_rate", "ttft_slo_ms"):
+    for flag in ("duration", "start_rate", "max_rate"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if len(args.ttft_slo_ms) not in (1, len(args.workloads)):
+        raise ValueError(f"--ttft-slo-ms takes one bound or one per workload ({len(args.workloads)}), "
+                         f"got {len(args.ttft_slo_ms)}")
     from charioteer.model.loader import load_model
 
     loaded = load_model(args.model, num_layers=args.num_layers)
-    total = args.repeats * len(args.workloads) * (len(args.budgets) + 1)
-    with progress_bar(total, "searches") as bar:
+    with progress_bar(args.repeats * len(args.workloads), "rounds") as bar:
         result = run_budget_capacity(loaded, args, bar)
     result.update({"model": loaded.config.name, "tbt_slo_ms": args.tbt_slo_ms, "ttft_slo_ms": args.ttft_slo_ms,
                    "duration_s": args.duration, "repeats": args.repeats, "max_num_seqs": args.max_num_seqs})
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"capacity (req/s) at p99 TBT <= {args.tbt_slo_ms} ms and p99 TTFT <= {args.ttft_slo_ms} ms; "
+    ttft = ", ".join(f"{ttft_slo_ms(args, w):g}" for w in args.workloads)
+    print(f"capacity (req/s) at p99 TBT <= {args.tbt_slo_ms} ms and p99 TTFT <= {ttft} ms; "
           f"{loaded.config.name}, B = {args.max_num_seqs}, median [min, max] of {args.repeats} searches")
     print(format_table(result["rows"], ["workload", "budget", "capacity_rps", "tbt_p99_ms", "ttft_p99_ms"]))
     print(format_table(result["checks"]["per_workload"],
@@ -238,7 +272,8 @@ def add_budget_capacity_bench(bench_sub) -> None:
                    help="fixed chunk sizes to compare (default: 64,128,256,512)")
     p.add_argument("--workloads", type=parse_workloads, default=[Workload(480, 32), Workload(96, 96)],
                    help="P:D pairs of prompt and output tokens (default: 480:32,96:96)")
-    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="p99 TTFT SLO (default: 2000)")
+    p.add_argument("--ttft-slo-ms", type=float_list, default=[2000.0],
+                   help="p99 TTFT SLO, one for every workload or one per workload in order (default: 2000)")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per probe (default: 8)")
     p.add_argument("--min-requests", type=int, default=4, help="requests per probe at least (default: 4)")
     p.add_argument("--start-rate", type=float, default=1.0, help="first probe, req/s (default: 1)")

@@ -12,20 +12,21 @@ The controller keeps the step records of the last few seconds and, after each on
    every coefficient >= 0, recent steps weighted most) over the window. It refits only while the
    window holds prompt chunks and spans at least 64 tokens: decode-only steps say nothing about
    what a chunk token costs, so the last fit stands through them. The fit's tail is the 90th
-   percentile of the last 16 prompt steps' residuals. Before the first fit every token is priced
-   at the largest step's time per token (the line through the origin: steeper, so growth is
-   careful);
+   percentile of the last 16 prompt steps' residuals (if they all ran faster than the fit, the
+   least of those gains, so a cheaper mix raises the budget even without spread to refit from).
+   Before the first fit every token is priced at the largest step's time per token (the line
+   through the origin: steeper, so growth is careful);
 2. prices the dearest step a budget can plan: a full chunk at the end of the longest prompt in the
    window, with as many decodes as may ride along (`max_decodes`: B - 1 under SARATHI, so the
    budget does not swing with the load and is right when the load peaks; else the recent 90th
    percentile) and the gap between steps. It picks the largest budget whose dearest step stays
-   under SLO x margin x correction, aligned and within [min_budget, max_budget]. It rises at most
+   under SLO x margin (0.85) x correction, aligned and within [min_budget, max_budget]. It rises at most
    25% per step, and only to what fits 3% under that target (a band, so the fit's jitter does not
    move it);
 3. corrects with what clients saw: once enough fresh gaps are in, a measured p99 over the SLO
    cuts the correction at once (in proportion), and a p99 well under it raises the correction
-   slowly, but only while the fit chose the budget and the budget limited the steps (else there is
-   nothing to learn).
+   slowly back up to 1 (never past it: at light load the p99 comes from cheap steps), only while
+   the fit chose the budget and the budget limited the steps (else there is nothing to learn).
 
 Old steps leave the window after `window_s` seconds, so a change in the prompt mix (longer
 contexts, more decodes) moves the fit within a few seconds. The controller only computes a
@@ -89,8 +90,8 @@ def nonnegative_fit(rows: list[tuple[float, float, float]], weights: list[float]
 
 class TokenBudgetController:
     def __init__(self, slo_s: float, min_budget: int, max_budget: int, *, includes_decodes: bool = False,
-                 max_decodes: int | None = None, align: int = 16, window_s: float = 3.0, max_steps: int = 256, margin: float = 0.9,
-                 min_gaps: int = 32) -> None:
+                 max_decodes: int | None = None, align: int = 16, window_s: float = 3.0, max_steps: int = 256,
+                 margin: float = 0.85, min_gaps: int = 32) -> None:
         """`includes_decodes`: the budget counts the decodes too (token-budget mode), else it is the
         prompt chunk alone (strict SARATHI). `max_decodes`: the most decodes a step with a chunk can
         carry, priced into every budget (None: the recent steps' 90th percentile)."""
@@ -150,8 +151,11 @@ class TokenBudgetController:
         p99 = self.tbt.p99()
         if p99 > self.slo_s:
             self.correction = max(0.1, self.correction * max(0.5, 0.95 * self.slo_s / p99))
-        elif p99 < 0.75 * self.slo_s and self._model_bound and any(s.budget_bound for s in list(self._steps)[-8:]):
-            self.correction = min(1.5, self.correction * 1.03)
+        elif (self.correction < 1.0 and p99 < 0.75 * self.slo_s and self._model_bound
+              and any(s.budget_bound for s in list(self._steps)[-8:])):
+            # Back up to 1, never past it: at light load most gaps come from cheap steps, so a p99
+            # well under the SLO says nothing about the dearest step, which the fit already prices.
+            self.correction = min(1.0, self.correction * 1.03)
         else:
             return
         self.tbt.clear()
@@ -173,7 +177,9 @@ class TokenBudgetController:
         a, b, c = self._cost
         recent = (prompt_steps or steps)[-RECENT:]
         residuals = [s.duration_s - (a + b * s.tokens + c * s.pairs) for s in recent]
-        return a, b, c, max(0.0, percentile(residuals, 0.9))
+        # Negative only when the recent steps all ran faster than the fit: then the budget rises,
+        # the window spreads and the next refit learns the new cost.
+        return a, b, c, max(residuals) if max(residuals) < 0 else max(0.0, percentile(residuals, 0.9))
 
     def _worst_step_s(self, cost: tuple[float, float, float, float], budget: int, decodes: float,
                       prompt_len: int) -> float:
