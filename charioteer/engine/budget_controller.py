@@ -20,9 +20,9 @@ The controller keeps the step records of the last few seconds and, after each on
    window, with as many decodes as may ride along (`max_decodes`: B - 1 under SARATHI, so the
    budget does not swing with the load and is right when the load peaks; else the recent 90th
    percentile) and the gap between steps. It picks the largest budget whose dearest step stays
-   under SLO x margin (0.85) x correction, aligned and within [min_budget, max_budget]. It rises at most
-   25% per step, and only to what fits 3% under that target (a band, so the fit's jitter does not
-   move it);
+   under SLO x margin (0.85) x correction, aligned and within [min_budget, max_budget]. It rises
+   at most 25% per step, and only to what fits 3% under that target (a band, so the fit's jitter
+   does not move it);
 3. corrects with what clients saw: once enough fresh gaps are in, a measured p99 over the SLO
    cuts the correction at once (in proportion), and a p99 well under it raises the correction
    slowly back up to 1 (never past it: at light load the p99 comes from cheap steps), only while
