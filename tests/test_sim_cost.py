@@ -157,7 +157,7 @@ def test_nnls_finds_the_best_non_negative_fit():
 
     import numpy as np
 
-    from charioteer.sim.validate import nnls
+    from charioteer.engine.least_squares import nnls
 
     rng = np.random.default_rng(3)
     for trial in range(40):
@@ -180,7 +180,8 @@ def test_nnls_keeps_coefficients_of_a_step_costs_scales():
     from 1 to 1e6; CI once fitted all of them to 0 (a tolerance in unscaled units), pricing every step free."""
     import numpy as np
 
-    from charioteer.sim.validate import nnls, plan_features
+    from charioteer.engine.least_squares import nnls
+    from charioteer.sim.validate import plan_features
 
     true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 4e-5, 2e-9, 1e-8])
     identifiable = [0, 3, 4, 5, 6, 7, 8]  # prefill_step and prefill_entries are collinear here

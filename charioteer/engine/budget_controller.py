@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from charioteer.engine.least_squares import nnls
 from charioteer.engine.step_record import StepRecord
 from charioteer.engine.tbt import TimeBetweenTokens, percentile
 
@@ -64,28 +65,6 @@ class _Step:
 def chunk_pairs(start: int, tokens: int) -> float:
     """Query-key pairs of `tokens` causal queries at positions start.. over the cache before them."""
     return tokens * (start + (tokens + 1) / 2)
-
-
-def nonnegative_fit(rows: list[tuple[float, float, float]], weights: list[float]) -> tuple[float, float, float] | None:
-    """(a, b, c) >= 0 minimizing sum w (a + b x + c z - y)^2 over rows (x, z, y): the best weighted
-    least-squares fit over every subset of the three terms whose solution is >= 0 (for three terms,
-    this is the non-negative least-squares optimum). None where no term can be fitted."""
-    X = np.array([[1.0, x, z] for x, z, _ in rows])
-    y = np.array([r[2] for r in rows])
-    w = np.asarray(weights, dtype=float)
-    gram, moment, yy = X.T @ (w[:, None] * X), X.T @ (w * y), float(w @ (y * y))
-    best, best_sse = None, math.inf
-    for terms in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
-        g = gram[np.ix_(terms, terms)]
-        if np.linalg.matrix_rank(g) < len(terms):
-            continue
-        coef = np.linalg.solve(g, moment[terms])
-        if (coef < 0).any():
-            continue
-        sse = yy - 2 * coef @ moment[terms] + coef @ g @ coef
-        if sse < best_sse:
-            best_sse, best = sse, dict(zip(terms, coef.tolist()))
-    return None if best is None else (best.get(0, 0.0), best.get(1, 0.0), best.get(2, 0.0))
 
 
 class TokenBudgetController:
@@ -168,10 +147,11 @@ class TokenBudgetController:
         tokens = [s.tokens for s in steps]
         if len(prompt_steps) >= 4 and max(tokens) - min(tokens) >= SLOPE_SPAN:
             half_life = self.window_s / 4  # recent steps count most, so a slowdown moves the fit at once
-            weights = [0.5 ** ((steps[-1].end - s.end) / half_life) for s in steps]
-            cost = nonnegative_fit([(s.tokens, s.pairs, s.duration_s) for s in steps], weights)
-            if cost is not None and (cost[1] > 0 or cost[2] > 0):
-                self._cost = cost
+            root_weights = np.array([0.5 ** ((steps[-1].end - s.end) / half_life / 2) for s in steps])
+            features = np.array([(1.0, s.tokens, s.pairs) for s in steps]) * root_weights[:, None]
+            a, b, c = nnls(features, np.array([s.duration_s for s in steps]) * root_weights).tolist()
+            if b > 0 or c > 0:
+                self._cost = (a, b, c)
         if self._cost is None:
             return None
         a, b, c = self._cost
