@@ -1,6 +1,8 @@
 """The CPU kernels (charioteer/model/kernels/), each build this CPU can execute (AVX-512, AVX2):
 against float64 and torch's ops, the panel GEMM's batch invariance, and the model's outputs."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -441,6 +443,43 @@ def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch()
         cpu_kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)
 
 
+def _causal_attention_fp32(q, k, v, start):
+    """The chunk's attention in fp32 on the same bf16 inputs: the reference both bf16 paths are held to."""
+    n, keys = q.shape[0], k.shape[0]
+    mask = torch.arange(keys)[None, :] <= torch.arange(start, start + n)[:, None]
+    qs, ks, vs = (t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error():
+    """amx_prefill_attention against fp32 attention on the same bf16 inputs, for GQA and plain heads,
+    head sizes 32-128, chunks that fill no tile or several, at the start of a prompt or deep in it,
+    strided rows in and out: no further from it than torch's SDPA in bf16 (the path it replaces)."""
+    torch.manual_seed(0)
+    for heads, kv_heads, dim in ((9, 3, 64), (4, 4, 128), (4, 2, 32)):
+        for start, n in ((0, 1), (0, 17), (5, 1), (100, 7), (0, 130), (200, 48), (1000, 33)):
+            keys = start + n
+            q = torch.randn(n, heads + 2, dim).bfloat16()[:, 1:heads + 1]  # rows (heads + 2) * dim apart
+            k, v = (torch.randn(keys, kv_heads, dim).bfloat16() for _ in range(2))
+            reference = _causal_attention_fp32(q, k, v, start)
+            mask = torch.arange(keys)[None, :] <= torch.arange(start, start + n)[:, None]
+            sdpa = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), attn_mask=mask,
+                enable_gqa=True)[0].transpose(0, 1).float()
+            bound = max(1.5 * (sdpa - reference).abs().max().item(), 1e-3)
+            wide = torch.full((n, heads + 1, dim), float("nan"))
+            out = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, out=wide[:, :heads])
+            assert torch.isnan(wide[:, heads]).all(), "wrote past its rows"
+            assert (out - reference).abs().max().item() <= bound, (heads, kv_heads, dim, start, n)
+            as_bf16 = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5)
+            assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, out.bfloat16())
+    with pytest.raises(RuntimeError, match="start \\+ the chunk's tokens"):
+        cpu_kernels.amx_prefill_attention(q, k[:-1], v[:-1], start, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.amx_prefill_attention(*(torch.zeros(4, 2, 48).bfloat16() for _ in range(3)), 0, 0.125)
+
+
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
 def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(monkeypatch):
     from charioteer.model.config import ModelConfig
@@ -451,7 +490,10 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
     monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
     kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
-    assert kernels.amx_tiles and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    assert kernels.amx_tiles and kernels.amx_attention and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "0")
+    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == dataclasses.replace(kernels, amx_attention=False)
+    monkeypatch.delenv("CHARIOTEER_AMX_ATTENTION")
     assert kernels.small_batch_rows(quantized=False) == AMX_MAX_ROWS and kernels.widen_rows(quantized=False) == 0
     w = torch.randn(96, 128).bfloat16()
     lin = NarrowLinear(w, None, kernels.panel_rows, kernels.native_bf16_rows, amx_tiles=True)
@@ -464,4 +506,4 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.setenv("CHARIOTEER_AMX", "0")
     assert cpu_kernels.amx_unavailable_reason() == "disabled by CHARIOTEER_AMX=0"
     off = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
-    assert not off.amx_tiles and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS
+    assert not off.amx_tiles and not off.amx_attention and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS

@@ -53,8 +53,8 @@ HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / name for name in
             ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp",
-             "amx_gemm.cpp")]
-_HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h")]
+             "amx_gemm.cpp", "amx_attention.cpp")]
+_HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h", "amx_tiles.h")]
 # No implicit fused multiply-adds: rope must round like the op-by-op formula (the kernels that
 # want FMAs ask for them by intrinsic). Hidden symbols: both builds define the same C++ names, and
 # each module must call its own when both are loaded (the tests load every build).
@@ -306,6 +306,19 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool 
     x alone. Faster than oneDNN's bf16 GEMM up to about 32 rows (`charioteer bench roofline
     --decode-stream --dtype bfloat16`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
     return _kernels(isa).amx_linear(x, packed, n, bf16_output)
+
+
+def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                          out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """Causal attention of a prompt chunk on AMX tiles: q bf16 [n, heads, dim], query i at position
+    start + i, against k and v bf16 [start + n, kv_heads, dim] (rows may be strided), each query seeing
+    the keys up to its own position. Products of bf16 summed in fp32, softmax in fp32, its weights
+    rounded to bf16 for P V, as SDPA does in bf16. Writes `out` (fp32 or bf16, default a new bf16
+    tensor like q) and returns it."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _kernels(isa).amx_prefill_attention(q, k, v, start, scale, out)
+    return out
 
 
 def argmax_rows(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:

@@ -157,6 +157,12 @@ NATIVE_BF16_MIN_ROWS = 8
 AMX_MAX_ROWS = 32
 
 
+def amx_attention_enabled(head_dim: int) -> bool:
+    """Whether prompt chunks attend on AMX tiles (cpu_kernels.amx_prefill_attention) where the tile
+    kernels run: for head sizes it takes, unless CHARIOTEER_AMX_ATTENTION=0 keeps torch's SDPA."""
+    return head_dim % 32 == 0 and head_dim <= 128 and os.environ.get("CHARIOTEER_AMX_ATTENTION", "1") != "0"
+
+
 class NarrowLinear:
     """y = x @ w.T with w stored narrower than x and widened to fp32 in the panel kernel's registers,
     so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
@@ -288,6 +294,7 @@ class Kernels:
     widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
     native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
     amx_tiles: bool = False  # with native_bf16_rows: cpu_kernels.amx_linear below them, not the panel kernel
+    amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -298,6 +305,8 @@ class Kernels:
             raise ValueError("native_bf16_rows applies to widened bf16 only")
         if self.amx_tiles and not self.native_bf16_rows:
             raise ValueError("amx_tiles runs the rows below native_bf16_rows: it needs them")
+        if self.amx_attention and not self.native_bf16_rows:
+            raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -335,7 +344,7 @@ class Kernels:
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=(AMX_MAX_ROWS + 1 if amx else NATIVE_BF16_MIN_ROWS) if native_gemm else 0,
-                   amx_tiles=amx)
+                   amx_tiles=amx, amx_attention=amx and amx_attention_enabled(config.head_dim))
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -672,26 +681,33 @@ class LlamaModel:
     def _prefill_attention(self, span: PrefillSpan, q, k, v, k_cache, v_cache, out: torch.Tensor) -> None:
         c = self.config
         rows = slice(span.offset, span.offset + span.num_tokens)
+        if self.kernels.amx_attention:
+            ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
+            cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, span.start_pos, c.head_dim ** -0.5,
+                                              out[rows])
+            return
         # widened bf16 on a CPU with bf16 arithmetic attends in bf16, as its GEMMs run: on AMX, SDPA in
         # bf16 takes half the time of fp32 SDPA on a widened copy of the cache
         dtype = torch.bfloat16 if self.kernels.native_bf16_rows else q.dtype
         qs = q[rows].to(dtype).transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
-            # rounded as the cache holds them, so that a later chunk and a decode see the same K/V
-            ks, vs = (t[rows].to(k_cache.dtype).to(dtype) for t in (k, v))
-            causal, mask = True, None
-        elif span.context_start is not None:  # the cache rows themselves, no copy
-            run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
-            ks, vs = k_cache[run].to(dtype), v_cache[run].to(dtype)
-            causal, mask = False, span.mask
-        else:
-            ks, vs = (self._gather(cache, span.context_slots, i).to(dtype) for i, cache in enumerate((k_cache, v_cache)))
-            causal, mask = False, span.mask
+        ks, vs = (t.to(dtype) for t in self._prefill_context(span, k[rows], v[rows], k_cache, v_cache))
+        causal, mask = span.context_slots is None, span.mask
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
         )
         out[rows] = o[0].transpose(0, 1)
+
+    def _prefill_context(self, span: PrefillSpan, k, v, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [start_pos + num_tokens, kv_heads, dim] of the positions a chunk attends to, in the
+        cache's dtype; k and v are the chunk's own rows, already stored."""
+        if span.context_slots is None:  # a whole prompt, or a first chunk: no cached prefix
+            # rounded as the cache holds them, so that a later chunk and a decode see the same K/V
+            return k.to(k_cache.dtype), v.to(v_cache.dtype)
+        if span.context_start is not None:  # the cache rows themselves, no copy
+            run = slice(span.context_start, span.context_start + span.start_pos + span.num_tokens)
+            return k_cache[run], v_cache[run]
+        return self._gather(k_cache, span.context_slots, 0), self._gather(v_cache, span.context_slots, 1)
 
     # The decode paths of select_paths: q [D, heads, dim] of the batch's decodes, out its rows of the output.
 

@@ -11,6 +11,7 @@
 // caller checks the CPU (cpu_kernels.amx_available) before calling, and amx_ready asks Linux for
 // the tile state, which a process must request once.
 #include "kernels.h"
+#include "amx_tiles.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,31 +23,15 @@
 
 namespace {
 
-constexpr int64_t kTileRows = 16;  // rows of x in an A tile, of output in a C tile
-constexpr int64_t kTileK = 32;     // bf16 k values in a tile row (64 bytes)
-constexpr int64_t kTileN = 16;     // output columns of a C tile
-constexpr int64_t kTileElems = kTileRows * kTileK;
 constexpr int64_t kMaxRowTiles = 4;  // C tiles 0-3; tile 4 is a full A tile, 6 the last (maybe partial) one, 5 B
 constexpr int64_t kDirectMaxRows = kMaxRowTiles * kTileRows;
 constexpr int64_t kPrefetchTiles = 8;  // B tiles ahead (8 KB: about what memory returns during 8 tiles' compute)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0..row_tiles-1 hold C, the last of them (and A tile 6) `last_rows` rows.
-__attribute__((target("amx-tile"))) void configure(int64_t row_tiles, int64_t last_rows) {
-  TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  cfg.rows[row_tiles - 1] = cfg.rows[6] = static_cast<uint8_t>(last_rows);
-  // not _tile_loadconfig: GCC's takes the config as an 8-byte operand, so the stores of the rest
-  // may be dropped as dead (ldtilecfg then faults on a half-written config)
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
+void configure(int64_t row_tiles, int64_t last_rows) {
+  uint8_t rows[8] = {};
+  rows[row_tiles - 1] = rows[6] = static_cast<uint8_t>(last_rows);
+  configure_tiles(rows);
 }
 
 // C[MT row tiles x 16 columns] = A . B over kb k-steps. A's row tile t, k-step k starts at
@@ -77,8 +62,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const uint16_t* a, int64
   if (MT > 2) _tile_stored(2, c + 2 * kTileRows * kTileN, 64);
   if (MT > 3) _tile_stored(3, c + 3 * kTileRows * kTileN, 64);
 }
-
-__attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
 }  // namespace
 
@@ -162,7 +145,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
         }
       }
     }
-    release();
+    release_tiles();
   });
   return out;
 }

@@ -22,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the order AMX's B tiles read it");
   m.def("amx_linear", &amx_linear, "x bf16 @ w.T on AMX tiles, for a weight packed by amx_pack", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
+  m.def("amx_prefill_attention", &amx_prefill_attention, "a prompt chunk's causal attention on AMX tiles");
 }

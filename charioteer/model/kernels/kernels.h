@@ -25,6 +25,10 @@ bool amx_ready();  // Linux granted this process the tile state
 torch::Tensor amx_pack(const torch::Tensor& weight);
 // x bf16 [M, K] @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+// A prompt chunk's attention (amx_attention.cpp): q bf16 [n, heads, dim] at positions start..start+n-1 against
+// k, v bf16 [start + n, kv_heads, dim], causal; writes out [n, heads, dim] (fp32 or bf16; rows may be strided).
+void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                           double scale, torch::Tensor& out);
 
 // Every layer of a decode-only batch in one call (decode_layers.cpp).
 class DecodeLayers {
