@@ -451,8 +451,9 @@ def _causal_attention_fp32(q, k, v, start):
     return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
 
 
+@each_isa
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
-def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error():
+def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
     """amx_prefill_attention against fp32 attention on the same bf16 inputs, for GQA and plain heads,
     head sizes 32-128, chunks that fill no tile or several, at the start of a prompt or deep in it,
     strided rows in and out: no further from it than torch's SDPA in bf16 (the path it replaces)."""
@@ -469,10 +470,10 @@ def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error():
                 enable_gqa=True)[0].transpose(0, 1).float()
             bound = max(1.5 * (sdpa - reference).abs().max().item(), 1e-3)
             wide = torch.full((n, heads + 1, dim), float("nan"))
-            out = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, out=wide[:, :heads])
+            out = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, out=wide[:, :heads], isa=isa)
             assert torch.isnan(wide[:, heads]).all(), "wrote past its rows"
             assert (out - reference).abs().max().item() <= bound, (heads, kv_heads, dim, start, n)
-            as_bf16 = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5)
+            as_bf16 = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, isa=isa)
             assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, out.bfloat16())
     with pytest.raises(RuntimeError, match="start \\+ the chunk's tokens"):
         cpu_kernels.amx_prefill_attention(q, k[:-1], v[:-1], start, 0.125)
