@@ -277,6 +277,10 @@ def test_store_kv_is_index_copy(cache_dtype, isa):
     assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())  # refused before anything was written
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
         cpu_kernels.store_kv(k_cache, v_cache, slots[:4], k, v, isa=isa)
+    # bf16 rows (a bf16 GEMM's product): copied into a bf16 cache, widened into an fp32 one
+    narrow_v = qkv.bfloat16()[:, 12:]
+    cpu_kernels.store_kv(k_cache, v_cache, slots, k, narrow_v, isa=isa)
+    assert torch.equal(v_cache, v_cache.clone().index_copy_(0, slots, narrow_v.to(cache_dtype)))
 
 
 @each_isa
@@ -288,9 +292,20 @@ def test_add_rms_norm_matches_the_formula(rows, cols, seed, isa):
     g = torch.Generator().manual_seed(seed)
     x, delta, w = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
     expected_x = x + delta
+    start = x.clone()
     h = cpu_kernels.add_rms_norm_(x, delta, w, 1e-5, isa=isa)
     assert torch.equal(x, expected_x)  # the residual add is exact and in place
     torch.testing.assert_close(h, rms_norm(expected_x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    # a bf16 delta (a bf16 GEMM's product) and a bf16 norm (the next bf16 GEMM's input): the same
+    # bits as widening the delta first and rounding the fp32 norm after
+    narrow = delta.bfloat16()
+    widened_x = start.clone()
+    widened_h = cpu_kernels.add_rms_norm_(widened_x, narrow.float(), w, 1e-5, isa=isa)
+    for bf16_out in (False, True):
+        x = start.clone()
+        h = cpu_kernels.add_rms_norm_(x, narrow, w, 1e-5, bf16_out=bf16_out, isa=isa)
+        assert torch.equal(x, widened_x)
+        assert torch.equal(h, widened_h.bfloat16() if bf16_out else widened_h)
 
 
 @each_isa
@@ -303,6 +318,8 @@ def test_rope_is_bitwise_the_formula(isa):
         qk = qkv[:, : 5 * dim].view(13, 5, dim)  # strided rows, as sliced from the fused projection
         cos, sin = torch.randn(13, dim, generator=g), torch.randn(13, dim, generator=g)
         assert torch.equal(cpu_kernels.rope(qk, cos, sin, isa=isa), apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)))
+        narrow = qkv.bfloat16()[:, : 5 * dim].view(13, 5, dim)  # a bf16 product, widened exactly as read
+        assert torch.equal(cpu_kernels.rope(narrow, cos, sin, isa=isa), cpu_kernels.rope(narrow.float(), cos, sin, isa=isa))
 
 
 @each_isa

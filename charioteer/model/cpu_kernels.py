@@ -227,20 +227,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, isa: str | None = None) -> None:
-    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] fp32 (rows may be
-    strided) into fp32 caches, or rounded to nearest even into bf16 ones: index_copy_ without its
+    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v, with k, v [T, kv_heads, dim] fp32 or bf16 (rows
+    may be strided) into fp32 caches, or bf16 ones (fp32 rounded to nearest even): index_copy_ without its
     per-element indexing, which costs 20 us a call on cold cache rows."""
     _kernels(isa).store_kv(k_cache, v_cache, slot_mapping, k, v)
 
 
-def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bool = False,
                   isa: str | None = None) -> torch.Tensor:
-    """x += delta in place; returns weight * x / sqrt(mean(x^2) + eps) per row."""
-    return _kernels(isa).add_rms_norm_(x, delta, weight, eps)
+    """x (fp32) += delta (fp32, or bf16 widened exactly) in place; returns weight * x / sqrt(mean(x^2) + eps)
+    per row, in fp32 or rounded to bf16 (`bf16_out`, to nearest even as torch's .to())."""
+    return _kernels(isa).add_rms_norm_(x, delta, weight, eps, bf16_out)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """x [T, heads, dim] * cos [T, dim] + roll(x, dim/2) * signed_sin [T, dim], bitwise llama.apply_rope."""
+    """x [T, heads, dim] * cos [T, dim] + roll(x, dim/2) * signed_sin [T, dim] in fp32, bitwise llama.apply_rope
+    (x fp32, or bf16 widened exactly)."""
     return _kernels(isa).rope(x, cos, signed_sin)
 
 

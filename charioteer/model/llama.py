@@ -242,10 +242,11 @@ class TorchRowOps:
         return apply_rope(qk, cos.unsqueeze(1), signed_sin.unsqueeze(1))
 
     @staticmethod
-    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-        """(x + delta, its RMSNorm)."""
+    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool = False):
+        """(x + delta, its RMSNorm), the norm rounded to bf16 with `bf16`."""
         x = x + delta
-        return x, rms_norm(x, weight, eps)
+        h = rms_norm(x, weight, eps)
+        return x, h.bfloat16() if bf16 else h
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -267,8 +268,8 @@ class NativeRowOps:
         return x.clone()  # add_norm updates it in place; the caller's tensor stays as it was
 
     @staticmethod
-    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-        return x, cpu_kernels.add_rms_norm_(x, delta, weight, eps)
+    def add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool = False):
+        return x, cpu_kernels.add_rms_norm_(x, delta, weight, eps, bf16_out=bf16)
 
     rope = staticmethod(cpu_kernels.rope)
     silu_mul = staticmethod(cpu_kernels.silu_mul)
@@ -535,9 +536,10 @@ class LlamaModel:
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format). Under native
-        # bf16 GEMMs the gate/up product stays bf16: SiLU takes it so, and gives the down
-        # projection's input already rounded, sparing two widened copies per layer.
-        self.linears = [{name: linear(layer.pop(name), bf16_output=name == "gate_up") for name in
+        # bf16 GEMMs every product stays bf16 as the GEMM rounded it: RoPE, the KV store, SiLU and
+        # the residual add widen it as they read it, with the same bits as a widened copy and
+        # without one (and the norms write the next GEMM's input in bf16: run_layers).
+        self.linears = [{name: linear(layer.pop(name), bf16_output=True) for name in
                          ("qkv", "o", "gate_up", "down")} for layer in self.layers]
         # With int8 the LM head is quantized too (a tied embedding keeps its table in dtype for the
         # lookups): it is the largest matrix of a small model, a third of SmolLM2's weights.
@@ -604,6 +606,7 @@ class LlamaModel:
             return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
                                           inp.decode_lengths)
         run, k_end = hooks or _unprofiled, c.q_size + c.kv_size
+        bf16_norms = bool(self.kernels.native_bf16_rows)  # the next GEMM rounds its input to bf16 anyway
         contexts = self._query_contexts(inp, kv) if self.kernels.invariant else None
         for index, (layer, linear) in enumerate(zip(self.layers, self.linears)):
             qkv = run("preproj", lambda: linear["qkv"](h))
@@ -613,10 +616,11 @@ class LlamaModel:
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
             attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp, paths.decode_attention,
                                                              contexts))
-            x, h = ops.add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"], c.rms_norm_eps)
+            x, h = ops.add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"], c.rms_norm_eps,
+                                bf16_norms)
             ffn = run("ffn", lambda: linear["down"](ops.silu_mul(linear["gate_up"](h))))
             if index + 1 < len(self.layers):  # the next layer's input norm, fused with the residual add
-                x, h = ops.add_norm(x, ffn, self.layers[index + 1]["attn_norm"], c.rms_norm_eps)
+                x, h = ops.add_norm(x, ffn, self.layers[index + 1]["attn_norm"], c.rms_norm_eps, bf16_norms)
             else:
                 x = x + ffn
         return x

@@ -9,7 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panels"), py::arg("n"), py::arg("scale") = py::none());
   m.def("decode_attention", &decode_attention, "one query token per request against its cached context");
   m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out") = false);
   m.def("rope", &rope, "x * cos + roll(x) * signed_sin, bitwise the formula");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own

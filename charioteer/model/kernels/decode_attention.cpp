@@ -119,14 +119,21 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   });
 }
 
-// One cache row from fp32 values: a copy, or each value rounded to bf16 (to nearest even, as torch's .to()).
+// One cache row from fp32 or bf16 values: a copy, each fp32 value rounded to bf16 (to nearest even, as
+// torch's .to()), or each bf16 value widened.
 inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
+inline void store_row(c10::BFloat16* dst, const c10::BFloat16* src, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(c10::BFloat16));
+}
+inline void store_row(float* dst, const c10::BFloat16* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
-template <typename T>
-void store_rows(T* kc, T* vc, const float* kp, const float* vp, int64_t ks, int64_t vs, const int64_t* sp, int64_t rows,
+template <typename T, typename K, typename V>
+void store_rows(T* kc, T* vc, const K* kp, const V* vp, int64_t ks, int64_t vs, const int64_t* sp, int64_t rows,
                 int64_t row) {
   for (int64_t t = 0; t < rows; ++t) {
     store_row(kc + sp[t] * row, kp + t * ks, row);
@@ -188,7 +195,8 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               "k and v must be [T, kv_heads, dim] like the cache rows");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k's and v's heads must be contiguous (their rows may be strided)");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat, "k and v must be fp32");
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kBFloat16, "k and v must be fp32 or bf16");
   TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
               "the caches must both be fp32 or both bf16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&
@@ -197,12 +205,14 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   const int64_t* sp = sm.data_ptr<int64_t>();
   const int64_t rows = k.size(0), num_slots = k_cache.size(0), row = k.size(1) * k.size(2);
   for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot out of range");
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  if (k_cache.scalar_type() == torch::kFloat) {
-    store_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kp, vp, k.stride(0), v.stride(0), sp, rows, row);
-  } else {
-    store_rows(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), kp, vp, k.stride(0), v.stride(0),
-               sp, rows, row);
-  }
+  const auto into = [&](auto* kc, auto* vc) {
+    const auto from = [&](const auto* kp) {
+      if (v.scalar_type() == torch::kFloat) store_rows(kc, vc, kp, v.data_ptr<float>(), k.stride(0), v.stride(0), sp, rows, row);
+      else store_rows(kc, vc, kp, v.data_ptr<c10::BFloat16>(), k.stride(0), v.stride(0), sp, rows, row);
+    };
+    if (k.scalar_type() == torch::kFloat) from(k.data_ptr<float>());
+    else from(k.data_ptr<c10::BFloat16>());
+  };
+  if (k_cache.scalar_type() == torch::kFloat) into(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else into(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
 }

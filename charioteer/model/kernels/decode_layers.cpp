@@ -52,7 +52,7 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
     const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(rounded, plain_[4 * layer + which])
                          : panels.dim() == 4       ? amx_linear(rounded, panels, n, true)
                                                    : panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16);
-    return which == kGateUp ? product : product.to(torch::kFloat);  // silu_mul takes gate/up in bf16, as in Python
+    return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
   return panel_linear(x, panels, n, scale(layer, which));
 }
@@ -77,10 +77,13 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
     store_kv(k_cache, v_cache, slot_mapping, qk.narrow(1, heads_, kv_heads_), fused.narrow(1, heads_ + kv_heads_, kv_heads_));
     auto attn = torch::empty({rows, heads_, head_dim_}, x.options());
     decode_attention(qk.narrow(1, 0, heads_), k_cache, v_cache, slots, lengths, scale_, attn);
-    h = add_rms_norm_(x, linear(attn.view({rows, heads_ * head_dim_}), o_[l], l, 1, hidden), ffn_norm_[l], eps_);
+    // under native bf16 GEMMs the norms are rounded to bf16 here, as the GEMMs would round them
+    const bool bf16_norm = !plain_.empty();
+    h = add_rms_norm_(x, linear(attn.view({rows, heads_ * head_dim_}), o_[l], l, 1, hidden), ffn_norm_[l], eps_,
+                      bf16_norm);
     const auto ffn = linear(silu_mul(linear(h, gate_up_[l], l, kGateUp, 2 * intermediate_)), down_[l], l, 3, hidden);
     if (l + 1 < layers) {
-      h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_);
+      h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_, bf16_norm);
     } else {
       x.add_(ffn);
     }

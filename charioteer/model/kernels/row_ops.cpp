@@ -21,71 +21,109 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// x += delta; returns weight * x / sqrt(mean(x^2) + eps), row by row.
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(delta, "delta");
-  TORCH_CHECK(x.sizes() == delta.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
-              weight.is_contiguous() && weight.scalar_type() == torch::kFloat, "shapes do not match");
-  const int64_t rows = x.size(0), cols = x.size(1);
-  auto out = torch::empty({rows, cols}, x.options());
-  float* xp = x.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), ds = delta.stride(0);
+namespace {
+
+// A 2-D fp32 or bf16 tensor's data as the kernels read it: float or uint16_t (bf16 bits).
+bool fp32_or_bf16_rows(const torch::Tensor& t) {
+  return t.dim() == 2 && t.stride(1) == 1 && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16);
+}
+
+template <typename D, typename O>
+void add_rms_norm_rows(float* xp, int64_t xs, const D* dp, int64_t ds, const float* wp, O* op, int64_t rows,
+                       int64_t cols, float eps) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       float* xr = xp + r * xs;
-      const float* dr = dp + r * ds;
+      const D* dr = dp + r * ds;
       Vec squares = vzero();
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const Vec v = vadd(vload_n(xr + c, cols - c), vload_n(dr + c, cols - c));
+        const Vec v = vadd(vload_n(xr + c, cols - c), vload_row_n(dr + c, cols - c));
         vstore_n(xr + c, v, cols - c);
         squares = vfma(v, v, squares);
       }
-      const float inv = 1.f / std::sqrt(vsum(squares) / cols + static_cast<float>(eps));
+      const float inv = 1.f / std::sqrt(vsum(squares) / cols + eps);
       const Vec scale = vset1(inv);
       for (int64_t c = 0; c < cols; c += kLanes) {
         const Vec v = vmul(vload_n(xr + c, cols - c), scale);
-        vstore_n(op + r * cols + c, vmul(v, vload_n(wp + c, cols - c)), cols - c);
+        vstore_row_n(op + r * cols + c, vmul(v, vload_n(wp + c, cols - c)), cols - c);
       }
     }
   });
+}
+
+template <typename T>
+T* row_data(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+}  // namespace
+
+// x += delta; returns weight * x / sqrt(mean(x^2) + eps), row by row. delta fp32 or bf16 (a bf16
+// GEMM's product, widened exactly); the result fp32, or rounded to bf16 (`bf16_out`) for a bf16 GEMM.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                            bool bf16_out) {
+  check_rows(x, "x");
+  TORCH_CHECK(fp32_or_bf16_rows(delta), "delta must be a 2-D fp32 or bf16 tensor with contiguous rows");
+  TORCH_CHECK(x.sizes() == delta.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+              weight.is_contiguous() && weight.scalar_type() == torch::kFloat, "shapes do not match");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto out = torch::empty({rows, cols}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
+  float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t xs = x.stride(0), ds = delta.stride(0);
+  const bool narrow_delta = delta.scalar_type() == torch::kBFloat16;
+  if (narrow_delta && bf16_out) add_rms_norm_rows(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
+  else if (narrow_delta) add_rms_norm_rows(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<float>(out), rows, cols, e);
+  else if (bf16_out) add_rms_norm_rows(xp, xs, row_data<const float>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
+  else add_rms_norm_rows(xp, xs, row_data<const float>(delta), ds, wp, row_data<float>(out), rows, cols, e);
   return out;
 }
 
-// x [T, heads, dim] (rows may be strided) -> x * cos + roll(x, dim/2) * signed_sin, with cos and
-// signed_sin [T, dim]: the same three roundings as the op-by-op formula (no fused multiply-add),
-// so the result is bitwise the formula's.
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "x must be [T, heads, dim] fp32 with contiguous heads");
-  check_rows(cos, "cos");
-  check_rows(signed_sin, "signed_sin");
-  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(dim % 32 == 0 && cos.size(0) == rows && cos.size(1) == dim && signed_sin.sizes() == cos.sizes(),
-              "rope needs head_dim a multiple of 32 and one cos/sin row per token");
-  auto out = torch::empty({rows, heads, dim}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = signed_sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), cs = cos.stride(0), ss = signed_sin.stride(0);
+namespace {
+
+template <typename T>
+void rope_rows(const T* xp, int64_t xs, const float* cp, int64_t cs, const float* sp, int64_t ss, float* op,
+               int64_t rows, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
-        const float* xh = xp + r * xs + h * dim;
+        const T* xh = xp + r * xs + h * dim;
         float* oh = op + (r * heads + h) * dim;
         for (int64_t c = 0; c < dim; c += kLanes) {
           const int64_t rolled = c < half ? c + half : c - half;
-          const Vec a = vmul(vload(xh + c), vload(cp + r * cs + c));
-          const Vec b = vmul(vload(xh + rolled), vload(sp + r * ss + c));
+          const Vec a = vmul(vload_row_n(xh + c, kLanes), vload(cp + r * cs + c));
+          const Vec b = vmul(vload_row_n(xh + rolled, kLanes), vload(sp + r * ss + c));
           vstore(oh + c, vadd(a, b));
         }
       }
     }
   });
+}
+
+}  // namespace
+
+// x [T, heads, dim] (rows may be strided; fp32, or bf16 widened exactly) -> x * cos + roll(x, dim/2) *
+// signed_sin in fp32, with cos and signed_sin [T, dim]: the same three roundings as the op-by-op
+// formula on fp32 x (no fused multiply-add), so the result is bitwise the formula's.
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+              x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, dim] fp32 or bf16 with contiguous heads");
+  check_rows(cos, "cos");
+  check_rows(signed_sin, "signed_sin");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 32 == 0 && cos.size(0) == rows && cos.size(1) == dim && signed_sin.sizes() == cos.sizes(),
+              "rope needs head_dim a multiple of 32 and one cos/sin row per token");
+  auto out = torch::empty({rows, heads, dim}, x.options().dtype(torch::kFloat));
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = signed_sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16) {
+    rope_rows(row_data<const uint16_t>(x), x.stride(0), cp, cos.stride(0), sp, signed_sin.stride(0), op, rows, heads, dim);
+  } else {
+    rope_rows(row_data<const float>(x), x.stride(0), cp, cos.stride(0), sp, signed_sin.stride(0), op, rows, heads, dim);
+  }
   return out;
 }
 

@@ -132,6 +132,24 @@ inline void vstore_bf16(uint16_t* p, Vec v) {  // as the AVX-512 one
 #error "build the kernels with -mavx512f -mavx512vl -mavx512bw -mavx512dq -mfma, or with -mavx2 -mfma"
 #endif
 
+// n <= kLanes values of a row in fp32 or bf16 (widened exactly on load, rounded as vstore_bf16 on store).
+inline Vec vload_bf16_n(const uint16_t* p, int64_t n) {
+  if (n >= kLanes) return vload_bf16(p);
+  alignas(64) uint32_t wide[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(p[i]) << 16;
+  return vload(reinterpret_cast<const float*>(wide));
+}
+inline void vstore_bf16_n(uint16_t* p, Vec v, int64_t n) {
+  if (n >= kLanes) return vstore_bf16(p, v);
+  uint16_t narrow[kLanes];
+  vstore_bf16(narrow, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = narrow[i];
+}
+inline Vec vload_row_n(const float* p, int64_t n) { return vload_n(p, n); }
+inline Vec vload_row_n(const uint16_t* p, int64_t n) { return vload_bf16_n(p, n); }
+inline void vstore_row_n(float* p, Vec v, int64_t n) { vstore_n(p, v, n); }
+inline void vstore_row_n(uint16_t* p, Vec v, int64_t n) { vstore_bf16_n(p, v, n); }
+
 // e^x: Cephes' expf range reduction and polynomial (about 1 ulp). x is clamped to
 // [-87.3, 88.37] so that 2^n stays a normal float; very negative scores give a tiny positive
 // number rather than 0.
