@@ -508,9 +508,18 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
     monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
     kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
-    assert kernels.amx_tiles and kernels.amx_attention and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    assert kernels.amx_tiles and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    # prompt attention on the tiles: by default only where query heads share their KV heads (3 or more)
+    assert not kernels.amx_attention
+    grouped = dataclasses.replace(config, num_heads=3, hidden_size=192)
+    assert Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16).amx_attention
+    monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "1")
+    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == dataclasses.replace(kernels, amx_attention=True)
     monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "0")
-    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == dataclasses.replace(kernels, amx_attention=False)
+    assert not Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16).amx_attention
+    monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="none of 0, 1, auto"):
+        Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16)
     monkeypatch.delenv("CHARIOTEER_AMX_ATTENTION")
     assert kernels.small_batch_rows(quantized=False) == AMX_MAX_ROWS and kernels.widen_rows(quantized=False) == 0
     w = torch.randn(96, 128).bfloat16()
