@@ -3,7 +3,7 @@
 // Query i of the chunk sits at position start + i and sees keys 0 .. start + i. torch's SDPA on
 // the CPU takes such a chunk only with an explicit mask, computes every masked score, and its
 // causal mode skips little; at SmolLM2's shapes inside a serving step it ran 0.7 G query-key pairs
-// a second. Here each block of 16 queries of one head reads only the keys it sees, 64 at a time:
+// a second. Here each block of 16 queries of one head reads only the keys it sees, 128 at a time:
 // S = Q K^T on tiles, the softmax in fp32 vectors, P rounded to bf16, and P V back on tiles. K and V
 // of each KV head are first laid out once in the order the B tiles read them, so the query heads of
 // a group share that copy.

@@ -31,9 +31,6 @@ inline void prefetch_row(const T* row, int dim, int hint) {
   }
 }
 
-// kLanes cached K or V values as fp32: fp32 as is, bf16 (its bits as uint16) widened exactly.
-inline Vec kvload(const float* p) { return vload(p); }
-inline Vec kvload(const uint16_t* p) { return vload_bf16(p); }
 
 // Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
 // G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
@@ -52,7 +49,7 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
     prefetch_row(v + slots[t] * row_stride, Dim, 1);
     const T* kr = k + slots[t] * row_stride;
     Vec kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = kvload(kr + kLanes * c);
+    for (int c = 0; c < C; ++c) kv[c] = vload_row(kr + kLanes * c);
     for (int j = 0; j < G; ++j) {
       Vec acc = vmul(qv[j][0], kv[0]);
       for (int c = 1; c < C; ++c) acc = vfma(qv[j][c], kv[c], acc);
@@ -79,7 +76,7 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
   for (int64_t t = 0; t < length; ++t) {
     const T* vr = v + slots[t] * row_stride;
     Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = kvload(vr + kLanes * c);
+    for (int c = 0; c < C; ++c) vv[c] = vload_row(vr + kLanes * c);
     for (int j = 0; j < G; ++j) {
       const Vec p = vset1(scores[j * length + t]);
       for (int c = 0; c < C; ++c) acc[j][c] = vfma(p, vv[c], acc[j][c]);
@@ -195,8 +192,7 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               "k and v must be [T, kv_heads, dim] like the cache rows");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k's and v's heads must be contiguous (their rows may be strided)");
-  for (const auto* t : {&k, &v})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kBFloat16, "k and v must be fp32 or bf16");
+  TORCH_CHECK(fp32_or_bf16(k) && fp32_or_bf16(v), "k and v must be fp32 or bf16");
   TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
               "the caches must both be fp32 or both bf16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&

@@ -93,8 +93,8 @@ void rope_rows(const T* xp, int64_t xs, const float* cp, int64_t cs, const float
         float* oh = op + (r * heads + h) * dim;
         for (int64_t c = 0; c < dim; c += kLanes) {
           const int64_t rolled = c < half ? c + half : c - half;
-          const Vec a = vmul(vload_row_n(xh + c, kLanes), vload(cp + r * cs + c));
-          const Vec b = vmul(vload_row_n(xh + rolled, kLanes), vload(sp + r * ss + c));
+          const Vec a = vmul(vload_row(xh + c), vload(cp + r * cs + c));
+          const Vec b = vmul(vload_row(xh + rolled), vload(sp + r * ss + c));
           vstore(oh + c, vadd(a, b));
         }
       }
@@ -145,17 +145,9 @@ void silu_mul_bf16(const torch::Tensor& gate_up, torch::Tensor& out) {
     for (int64_t r = first; r < last; ++r) {
       const uint16_t* g = gp + r * gs;
       uint16_t* o = op + r * inner;
-      int64_t c = 0;
-      for (; c + kLanes <= inner; c += kLanes) vstore_bf16(o + c, silu_times(vload_bf16(g + c), vload_bf16(g + inner + c)));
-      if (c < inner) {  // the tail through fp32 buffers, computed as above
-        float gate[kLanes], up[kLanes], result[kLanes];
+      for (int64_t c = 0; c < inner; c += kLanes) {  // a partial last vector widened and stored lane by lane
         const int64_t n = inner - c;
-        for (int64_t i = 0; i < n; ++i) {
-          gate[i] = c10::BFloat16(g[c + i], c10::BFloat16::from_bits());
-          up[i] = c10::BFloat16(g[inner + c + i], c10::BFloat16::from_bits());
-        }
-        vstore_n(result, silu_times(vload_n(gate, n), vload_n(up, n)), n);
-        for (int64_t i = 0; i < n; ++i) o[c + i] = std::isnan(result[i]) ? 0xFFFF : c10::BFloat16(result[i]).x;
+        vstore_bf16_n(o + c, silu_times(vload_bf16_n(g + c, n), vload_bf16_n(g + inner + c, n)), n);
       }
     }
   });

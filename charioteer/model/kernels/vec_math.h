@@ -132,7 +132,10 @@ inline void vstore_bf16(uint16_t* p, Vec v) {  // as the AVX-512 one
 #error "build the kernels with -mavx512f -mavx512vl -mavx512bw -mavx512dq -mfma, or with -mavx2 -mfma"
 #endif
 
-// n <= kLanes values of a row in fp32 or bf16 (widened exactly on load, rounded as vstore_bf16 on store).
+// kLanes values of a row in fp32 or bf16 (bf16 widened exactly), and n <= kLanes of them (rounded as
+// vstore_bf16 on store).
+inline Vec vload_row(const float* p) { return vload(p); }
+inline Vec vload_row(const uint16_t* p) { return vload_bf16(p); }
 inline Vec vload_bf16_n(const uint16_t* p, int64_t n) {
   if (n >= kLanes) return vload_bf16(p);
   alignas(64) uint32_t wide[kLanes] = {};
