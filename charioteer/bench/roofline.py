@@ -39,6 +39,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _sig3(value: float) -> float:
+    """`value` to 3 significant digits."""
+    return float(f"{value:.3g}")
+
+
 def _best_time(fn, device: torch.device, repeats: int) -> float:
     fn()
     _sync(device)
@@ -364,11 +369,11 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
         head = prepare(lm_head)
         t_head = _best_time(lambda: call(lm_input, head, lm_head), device, repeats)
         stored = nbytes // 4 * element_bytes
-        # times to 3 significant digits: a small model's LM head takes a few microseconds
-        return {"backend": name, "ms": float(f"{t * 1e3:.3g}"), "weight_mb": round(stored / 1e6, 1),
-                "weight_gbs": round(stored / t / 1e9, 1), "gflops": round(flops / t / 1e9, 1),
-                "lm_head_ms": float(f"{t_head * 1e3:.3g}"),
-                "lm_head_gbs": round(lm_head.numel() * element_bytes / t_head / 1e9, 1)}
+        # 3 significant digits: a small model's LM head takes a few microseconds, and its rates on a
+        # busy machine can be a few MFLOP/s, which one decimal of GFLOP/s would round to 0
+        return {"backend": name, "ms": _sig3(t * 1e3), "weight_mb": round(stored / 1e6, 1),
+                "weight_gbs": _sig3(stored / t / 1e9), "gflops": _sig3(flops / t / 1e9),
+                "lm_head_ms": _sig3(t_head * 1e3), "lm_head_gbs": _sig3(lm_head.numel() * element_bytes / t_head / 1e9)}
 
     def int8_panels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_int8(w)
