@@ -11,7 +11,9 @@ The controller keeps the step records of the last few seconds and, after each on
 1. fits step time = a + b x tokens + c x chunk attention pairs (query-key pairs; least squares,
    every coefficient >= 0, recent steps weighted most) over the window. It refits only while the
    window holds prompt chunks and spans at least 64 tokens: decode-only steps say nothing about
-   what a chunk token costs, so the last fit stands through them. The fit's tail is the 90th
+   what a chunk token costs, so the last fit stands through them. Prompt steps of too little
+   spread (a budget held at one value) move only the fixed cost a, keeping the last slopes. The
+   fit's tail is the 90th
    percentile of the last 16 prompt steps' residuals (if they all ran faster than the fit, the
    least of those gains, so a cheaper mix raises the budget even without spread to refit from).
    Before the first fit every token is priced at the largest step's time per token (the line
@@ -24,8 +26,8 @@ The controller keeps the step records of the last few seconds and, after each on
    at most 25% per step, and only to what fits 3% under that target (a band, so the fit's jitter
    does not move it);
 3. corrects with what clients saw: once enough fresh gaps are in, a measured p99 over the SLO
-   cuts the correction at once (in proportion), and a p99 well under it raises the correction
-   slowly back up to 1 (never past it: at light load the p99 comes from cheap steps), only while
+   cuts the correction at once (in proportion), and a p99 under SLO x margin raises it by 10%
+   back up to 1 (never past it: at light load the p99 comes from cheap steps), only while
    the fit chose the budget and the budget limited the steps (else there is nothing to learn).
 
 Old steps leave the window after `window_s` seconds, so a change in the prompt mix (longer
@@ -47,6 +49,7 @@ from charioteer.engine.tbt import TimeBetweenTokens, percentile
 RECENT = 16  # the fit's tail is the 90th percentile of the last prompt steps' residuals
 RISE_BAND = 0.97  # a budget rises only to what fits 3% under the target, and falls once it does not fit
 SLOPE_SPAN = 64  # tokens of spread the window needs (with prompt chunks) before it refits the cost
+RECOVERY = 1.1  # the correction's rise per window of gaps well under the SLO
 PAIRS_UNIT = 1e6  # attention pairs are fitted in millions, to keep the three features' scales near
 
 
@@ -130,11 +133,13 @@ class TokenBudgetController:
         p99 = self.tbt.p99()
         if p99 > self.slo_s:
             self.correction = max(0.1, self.correction * max(0.5, 0.95 * self.slo_s / p99))
-        elif (self.correction < 1.0 and p99 < 0.75 * self.slo_s and self._model_bound
+        elif (self.correction < 1.0 and p99 < self.margin * self.slo_s and self._model_bound
               and any(s.budget_bound for s in list(self._steps)[-8:])):
             # Back up to 1, never past it: at light load most gaps come from cheap steps, so a p99
             # well under the SLO says nothing about the dearest step, which the fit already prices.
-            self.correction = min(1.0, self.correction * 1.03)
+            # Briskly: the fit follows a slowdown too, so a cut during one counts it twice, and a
+            # budget held low meanwhile starves the prompts.
+            self.correction = min(1.0, self.correction * RECOVERY)
         else:
             return
         self.tbt.clear()
@@ -145,13 +150,21 @@ class TokenBudgetController:
         steps = list(self._steps)
         prompt_steps = [s for s in steps if s.prompt_end]
         tokens = [s.tokens for s in steps]
+        half_life = self.window_s / 4  # recent steps count most, so a slowdown moves the fit at once
         if len(prompt_steps) >= 4 and max(tokens) - min(tokens) >= SLOPE_SPAN:
-            half_life = self.window_s / 4  # recent steps count most, so a slowdown moves the fit at once
             root_weights = np.array([0.5 ** ((steps[-1].end - s.end) / half_life / 2) for s in steps])
             features = np.array([(1.0, s.tokens, s.pairs) for s in steps]) * root_weights[:, None]
             a, b, c = nnls(features, np.array([s.duration_s for s in steps]) * root_weights).tolist()
             if b > 0 or c > 0:
                 self._cost = (a, b, c)
+        elif len(prompt_steps) >= 4 and self._cost is not None:
+            # Too little spread to learn slopes (a budget held at one value): keep the last slopes and
+            # move the fixed cost to what these prompt steps took. Else a fit from a slower spell would
+            # price every larger budget too dear and hold the budget where the steps never spread out.
+            _, b, c = self._cost
+            weights = np.array([0.5 ** ((steps[-1].end - s.end) / half_life) for s in prompt_steps])
+            levels = np.array([s.duration_s - b * s.tokens - c * s.pairs for s in prompt_steps])
+            self._cost = (max(0.0, float(weights @ levels / weights.sum())), b, c)
         if self._cost is None:
             return None
         a, b, c = self._cost
