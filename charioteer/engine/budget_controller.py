@@ -13,9 +13,9 @@ The controller keeps the step records of the last few seconds and, after each on
    window holds prompt chunks and spans at least 64 tokens: decode-only steps say nothing about
    what a chunk token costs, so the last fit stands through them. Prompt steps of too little
    spread (a budget held at one value) move only the fixed cost a, keeping the last slopes. The
-   fit's tail is the 90th
-   percentile of the last 16 prompt steps' residuals (if they all ran faster than the fit, the
-   least of those gains, so a cheaper mix raises the budget even without spread to refit from).
+   fit's tail is the 90th percentile of the last 16 prompt steps' residuals (if they all ran
+   faster than the fit, the least of those gains, so a cheaper mix raises the budget even without
+   spread to refit from).
    Before the first fit every token is priced at the largest step's time per token (the line
    through the origin: steeper, so growth is careful);
 2. prices the dearest step a budget can plan: a full chunk at the end of the longest prompt in the
@@ -49,7 +49,7 @@ from charioteer.engine.tbt import TimeBetweenTokens, percentile
 RECENT = 16  # the fit's tail is the 90th percentile of the last prompt steps' residuals
 RISE_BAND = 0.97  # a budget rises only to what fits 3% under the target, and falls once it does not fit
 SLOPE_SPAN = 64  # tokens of spread the window needs (with prompt chunks) before it refits the cost
-RECOVERY = 1.1  # the correction's rise per window of gaps well under the SLO
+RECOVERY = 1.1  # the correction's rise per window of gaps under SLO x margin
 PAIRS_UNIT = 1e6  # attention pairs are fitted in millions, to keep the three features' scales near
 
 
