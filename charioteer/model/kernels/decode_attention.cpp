@@ -31,7 +31,6 @@ inline void prefetch_row(const T* row, int dim, int hint) {
   }
 }
 
-
 // Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
 // G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
 // so K rows are prefetched a few rows ahead and V rows into L2 during the score pass.
