@@ -534,3 +534,36 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     assert cpu_kernels.amx_unavailable_reason() == "disabled by CHARIOTEER_AMX=0"
     off = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
     assert not off.amx_tiles and not off.amx_attention and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's build lock has no timeout: a stale one would stall every later load of the kernels."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels.clear_stale_lock(tmp_path)
+    assert lock.exists(), "a build may be running: its lock stays"
+    old = time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_kernels.clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    cpu_kernels.clear_stale_lock(tmp_path)  # and no lock at all is fine
+
+
+def test_each_checkout_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """The build files name the sources by absolute path: two checkouts sharing a folder rebuild it in turn."""
+    here = cpu_kernels._build_directory("avx2")
+    copies = [tmp_path / name / "kernels" for name in ("a", "b")]
+    for copy in copies:
+        copy.mkdir(parents=True)
+        for p in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+            (copy / p.name).write_bytes(p.read_bytes())
+    folders = []
+    for copy in copies:
+        monkeypatch.setattr(cpu_kernels, "_SOURCES", [copy / p.name for p in cpu_kernels._SOURCES])
+        monkeypatch.setattr(cpu_kernels, "_HEADERS", [copy / p.name for p in cpu_kernels._HEADERS])
+        monkeypatch.setattr(cpu_kernels, "_BUILD_CACHE", tmp_path / "cache")
+        folders.append(cpu_kernels._build_directory("avx2").name)
+    assert len({here.name, *folders}) == 3

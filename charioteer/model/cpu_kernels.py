@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -104,13 +105,31 @@ def choose_isa() -> tuple[str | None, str | None]:
     return None, "; ".join(reasons) or "CHARIOTEER_AVX512=0 rules out the only candidate, avx512"
 
 
+STALE_BUILD_LOCK_S = 600  # a build takes 1-3 minutes
+
+
 def _build_directory(isa: str) -> Path:
-    """A cache folder per ISA, source, flags and torch version, so a changed kernel is never stale."""
+    """A cache folder per ISA, source, flags, torch version and checkout, so a changed kernel is never
+    stale. The checkout's path is part of it because the build files name the sources by absolute path:
+    two checkouts sharing a folder would rebuild it in turn."""
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS[isa]).encode()
-                         + torch.__version__.encode())
+                         + torch.__version__.encode() + str(_SOURCES[0].parent.resolve()).encode())
     folder = _BUILD_CACHE / f"{isa}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def clear_stale_lock(folder: Path) -> None:
+    """Remove torch's build lock in `folder` when older than STALE_BUILD_LOCK_S: it has no timeout, and
+    one left by a build that was killed would stall every later load."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        _log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _build(isa: str):
@@ -123,6 +142,7 @@ def _build(isa: str):
     except ImportError:
         pass
     folder = _build_directory(isa)
+    clear_stale_lock(folder)
     if not any(folder.glob("*.so")):
         print(f"charioteer: building the {isa} CPU kernels (once, 1-3 minutes)", file=sys.stderr)
     return cpp_extension.load(f"charioteer_kernels_{isa}", [str(p) for p in _SOURCES], extra_cflags=_FLAGS[isa],
