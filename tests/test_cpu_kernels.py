@@ -437,8 +437,9 @@ def test_each_build_gives_the_fallbacks_greedy_outputs(fallback_outputs, isa):
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
 def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch():
     """amx_linear: bf16 x @ w.T with fp32 sums (one order apart from torch's), the bf16 output that
-    result rounded; x read in place up to 64 rows (strided rows too) and copied past that or for a K
-    that does not tile; each row's bits the same in a batch of any size."""
+    result rounded; x read in place (strided rows too) or copied for a K that does not tile; one or two
+    row tiles per pass and one or two column blocks per pair (n = 96, 100, 48); each row's bits the
+    same in a batch of any size."""
     torch.manual_seed(0)
     for n, k in ((96, 128), (100, 70), (48, 576)):
         w = torch.randn(n, k).bfloat16()

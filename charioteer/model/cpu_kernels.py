@@ -16,10 +16,11 @@ SDPA run such small shapes.
 - Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
-- `amx_linear`: bf16 GEMMs of up to a few dozen rows on AMX tiles, where the CPU has them
-  (`amx_available`; CHARIOTEER_AMX=0 turns it off): the weight packed in tile order and streamed,
-  x read in place. On SmolLM2's layers it is as fast as the panel kernel at 1 row and 1.15-1.3x
-  faster than oneDNN's bf16 GEMM at 16-32 rows, where oneDNN pays a per-call cost.
+- `amx_linear`: bf16 GEMMs of up to about a hundred rows on AMX tiles, where the CPU has them
+  (`amx_available`; CHARIOTEER_AMX=0 turns it off): the weight packed in tile order and streamed
+  once, x read in place, C in 32 x 32 blocks. On SmolLM2's layers and a LLaMA-7B layer it is
+  1.2-1.4x faster than oneDNN's bf16 GEMM from 1 to 64 rows, where oneDNN pays a per-call cost,
+  and as fast at about 200 rows (llama.AMX_MAX_ROWS).
 
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
 their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
@@ -327,8 +328,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool 
                isa: str | None = None) -> torch.Tensor:
     """x bf16 [M, K] @ w.T -> [M, n] on AMX tiles, for packed = amx_pack(w): products of bf16 summed in
     fp32, the result fp32 or rounded to bf16 (to nearest even). A row's result depends on its own row of
-    x alone. Faster than oneDNN's bf16 GEMM up to about 32 rows (`charioteer bench roofline
-    --decode-stream --dtype bfloat16`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
+    x alone. Faster than oneDNN's bf16 GEMM up to about 128 rows (`charioteer bench roofline
+    --decode-stream --dtype bfloat16 --rows N`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
     return _kernels(isa).amx_linear(x, packed, n, bf16_output)
 
 

@@ -151,10 +151,11 @@ NARROW_PANEL_ROWS_FACTOR = 4
 NATIVE_BF16_MIN_ROWS = 8
 # Where the CPU has AMX tiles (cpu_kernels.amx_available), widened bf16 runs cpu_kernels.amx_linear for
 # 1 to this many rows, in place of both the panel kernel and oneDNN, and oneDNN's GEMM above. On a Xeon
-# with AMX, 2 threads, SmolLM2's 30 layers of weights, best of 5 (`charioteer bench roofline --dtype
-# bfloat16 --decode-stream --rows N`): 6.05 ms as the panel kernel's at 1 row, 10.2 against oneDNN's
-# 13.4 at 16, 13.6 against 15.7 at 32, and 18.7 against 18.3 at 64, where oneDNN has caught up.
-AMX_MAX_ROWS = 32
+# with AMX, 2 threads, weights out of cache, 9 interleaved pairs (oneDNN's time over the tile kernel's,
+# median [min, max]): SmolLM2's 30 layers 1.44x [1.40, 1.72] at 1 row, 1.36x at 32, 1.22x at 64,
+# 1.11x [0.89, 1.36] at 128, 0.91x at 192 and 0.95x at 256; one LLaMA-7B layer 1.17x at 1 row,
+# 1.30-1.37x at 16-64, 1.24x [1.18, 2.30] at 128, 1.04x at 192 and 0.94x at 256.
+AMX_MAX_ROWS = 128
 
 
 # Query heads per KV head from which prompt chunks attend on AMX tiles by default, at head_dim 64.
