@@ -47,6 +47,7 @@ def test_workload_split_and_balanced_point():
     assert (w.prompt_len, w.decode_len) == (231, 25)
     assert Workload(10, 1000, 1).decode_len == 1 and Workload(10, 0.001, 1).prompt_len == 1
     assert pd_grid([32, 64], 8, [1, 8]) == [1, 4.57, 8, 9.14]
+    assert pd_grid([49], 16, [3.2667]) == [3.27]  # not a second point that prints as the same
     with pytest.raises(ValueError, match="pd_ratio"):
         Workload(256, 0, 4)
 

@@ -127,6 +127,7 @@ def run_e2e(loaded: LoadedModel, policy: str, chunk_size: int, batch_size: int, 
 
 
 def pd_grid(chunk_sizes: list[int], batch_size: int, base: list[float]) -> list[float]:
-    """The base P:D ratios plus each chunk size's balanced point, so every peak has a point on it."""
-    points = set(base) | {round(balanced_pd(c, batch_size), 2) for c in chunk_sizes}
+    """The base P:D ratios plus each chunk size's balanced point, so every peak has a point on it; all
+    to 2 decimals, so a base ratio given as a balanced point (3.2667 for C = 49, B = 16) runs once."""
+    points = {round(pd, 2) for pd in base} | {round(balanced_pd(c, batch_size), 2) for c in chunk_sizes}
     return sorted(points)
