@@ -19,7 +19,7 @@ SDPA run such small shapes.
 - `amx_linear`: bf16 GEMMs of up to about a hundred rows on AMX tiles, where the CPU has them
   (`amx_available`; CHARIOTEER_AMX=0 turns it off): the weight packed in tile order and streamed
   once, x read in place, C in 32 x 32 blocks. On SmolLM2's layers and a LLaMA-7B layer it is
-  1.2-1.4x faster than oneDNN's bf16 GEMM from 1 to 64 rows, where oneDNN pays a per-call cost,
+  1.15-1.45x faster than oneDNN's bf16 GEMM from 1 to 64 rows, where oneDNN pays a per-call cost,
   and as fast at about 200 rows (llama.AMX_MAX_ROWS).
 
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
