@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from charioteer.bench import peers
-from charioteer.bench.common import choices
+from charioteer.bench.common import PRECISION_SETTINGS, choices
 from charioteer.bench.batch_timer import BatchShape
 from charioteer.bench.experiments import request_flops
 from charioteer.model.loader import load_model
@@ -45,6 +45,9 @@ def test_workload_c_is_the_balanced_point():
     sarathi = w.engine_args["charioteer-sarathi"]
     assert sarathi["scheduler"] == "sarathi" and sarathi["chunk_size"] == 49 and sarathi["max_num_seqs"] == 16
     assert w.engine_args["charioteer-orca"]["scheduler"] == "orca"
+    # the worker passes each --dtypes precision beside these: none of its arguments may be here twice
+    for settings in PRECISION_SETTINGS.values():
+        assert not settings.keys() & sarathi.keys()
 
 
 def test_request_flops_match_the_batches_that_run_it():

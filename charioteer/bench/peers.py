@@ -141,7 +141,9 @@ def workload_c(vocab_size: int, num_requests: int = 64, seed: int = 0) -> PeerWo
 
     def kwargs(policy: str) -> dict:
         kwargs = engine_args(policy, C_CHUNK, BATCH_SIZE, w, "cpu").to_kwargs()
-        kwargs.pop("model")
+        # the model, and the precision the worker sets per --dtypes (PRECISION_SETTINGS), are not the workload's
+        for name in ("model", "dtype", "quantization"):
+            kwargs.pop(name)
         return kwargs
 
     # The paper's setup: KV reserved for exactly B requests of length L. Orca as a user runs it
