@@ -165,7 +165,9 @@ def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
     if not cpu_kernels.available():
         return
     int8 = Kernels.choose(config, torch.device("cpu"), quantized=True)
-    assert int8.small_batch_rows(quantized=True) == Int8Linear(torch.randn(8, 64), torch.float32, panel).panel_rows
+    lin = Int8Linear(torch.randn(8, 64), torch.float32, panel, int8.amx_int8_rows)
+    # the panel kernel's rows, or, where int8 takes AMX tiles, the rows below them
+    assert int8.small_batch_rows(quantized=True) == (lin.amx_rows - 1 if lin.amx_rows else lin.panel_rows)
     assert int8.widen_rows(quantized=True) == cpu_kernels.row_block() > 0
     assert NarrowLinear(torch.randn(8, 64).bfloat16(), None, panel).panel_rows == NARROW_PANEL_ROWS_FACTOR * panel
 
@@ -459,6 +461,57 @@ def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch()
                     assert torch.equal(out[i], row[0]), (n, k, m, i)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         cpu_kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)
+
+
+amx_int8 = pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
+                              reason=f"int8 on AMX tiles: {cpu_kernels.amx_int8_unavailable_reason()}")
+
+
+@amx_int8
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_amx_linear_int8_is_the_bf16_tiles_product_on_the_int8_panels(rows, n, k, seed):
+    """amx_linear_int8 reads the panel kernel's int8 panels and widens them to bf16 exactly: the same bits
+    as amx_linear on q in bf16 times the column scales, whatever K's remainder (the widened tail must be
+    zeros: garbage there would come out as NaN or noise), and within fp32 rounding of x rounded to bf16
+    times the exact int8 weight."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    q, scale = quantize_int8(w)
+    out = cpu_kernels.amx_linear_int8(x, cpu_kernels.pack(q), n, scale)
+    tiles = cpu_kernels.amx_linear(x.bfloat16(), cpu_kernels.amx_pack(q.bfloat16()), n) * scale
+    assert torch.equal(out, tiles)
+    exact = (x.bfloat16().double() @ (q.double() * scale.double()[:, None]).T).float()
+    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@amx_int8
+def test_int8_runs_amx_tiles_from_its_rows_and_amx_int8_0_keeps_the_panel_kernel(monkeypatch):
+    """int8 weights take the tiles from AMX_INT8_MIN_ROWS rows on, on the panels the panel kernel reads
+    below them (one copy of the weight); a row's bits on the tiles do not depend on its batch. The
+    cost model's small-batch rows end where the tiles begin. CHARIOTEER_AMX_INT8=0 and CHARIOTEER_AMX=0
+    each keep the panel kernel for every batch."""
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import AMX_INT8_MIN_ROWS, Kernels
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    kernels = Kernels.choose(config, torch.device("cpu"), quantized=True)
+    assert kernels.amx_int8_rows == AMX_INT8_MIN_ROWS
+    assert kernels.small_batch_rows(quantized=True) == AMX_INT8_MIN_ROWS - 1
+    lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, kernels.amx_int8_rows)
+    small, large = torch.randn(AMX_INT8_MIN_ROWS - 1, 128), torch.randn(3 * AMX_INT8_MIN_ROWS, 128)
+    assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96, lin.scale))
+    out = lin(large)
+    assert torch.equal(out, cpu_kernels.amx_linear_int8(large, lin.panels, 96, lin.scale))
+    assert torch.equal(out[:AMX_INT8_MIN_ROWS], lin(large[:AMX_INT8_MIN_ROWS]))
+    with pytest.raises(ValueError, match="give panel_rows"):
+        Int8Linear(torch.randn(96, 128), torch.float32, amx_rows=AMX_INT8_MIN_ROWS)
+    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AMX"):
+        monkeypatch.setenv(switch, "0")
+        assert cpu_kernels.amx_int8_unavailable_reason() == f"disabled by {switch}=0"
+        assert Kernels.choose(config, torch.device("cpu"), quantized=True).amx_int8_rows == 0
+        monkeypatch.delenv(switch)
 
 
 def _causal_attention_fp32(q, k, v, start):

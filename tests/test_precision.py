@@ -30,6 +30,10 @@ BF16_CHUNKED_LOGPROB_TOL = 0.3
 # int8 weights with fp32 activations sum in fp32, as fp32 weights do: only the order of the
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
+# On AMX tiles (16 rows or more) int8's activations are rounded to bf16, so a difference in the last
+# fp32 bit may round an input to the next bf16 value, as in bf16: bf16's bound. Measured on a Xeon
+# with AMX on 728 tokens: 0.091.
+INT8_AMX_CHUNKED_LOGPROB_TOL = BF16_CHUNKED_LOGPROB_TOL
 # Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
 # measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
 # bf16 on the 24 prompts below, 16 tokens, Xeon with AMX: transformers bf16 agrees with our fp32 at
@@ -161,13 +165,19 @@ def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model, compute, monke
                  marks=pytest.mark.skipif(not cpu_kernels.available(), reason="widened bf16 runs in the CPU kernels")),
     pytest.param("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "widened-sdpa",
                  marks=pytest.mark.skipif(not cpu_kernels.amx_available(), reason="AMX attention only where it runs")),
-    ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL, "auto")])
+    ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL, "panel"),
+    pytest.param("float32", "int8", INT8_AMX_CHUNKED_LOGPROB_TOL, "amx-tiles",
+                 marks=pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
+                                          reason="int8 on AMX tiles only where they run"))])
 def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance, compute,
                                                                  monkeypatch):
     amx_attention = compute == "widened" and cpu_kernels.amx_available()
-    compute = _set_bf16_compute(monkeypatch, compute)
-    # 728 tokens. int8: the whole prefill runs the weights dequantized (above the panel kernel's rows),
-    # the 24-token chunks run them in the panel kernel.
+    if quantization:
+        monkeypatch.setenv("CHARIOTEER_AMX_INT8", "1" if compute == "amx-tiles" else "0")
+    else:
+        compute = _set_bf16_compute(monkeypatch, compute)
+    # 728 tokens. int8 on the panel kernel: the whole prefill runs the weights dequantized (above the
+    # panel kernel's rows), the 24-token chunks run them in the panel kernel; on AMX tiles, both.
     ids = LLM(default_model).tokenizer.encode(PASSAGE + " " + PASSAGE)
     assert len(ids) > NARROW_PANEL_ROWS_FACTOR * cpu_kernels.PANEL_MAX_ROWS["avx2"]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
@@ -175,6 +185,7 @@ def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, 
     for chunk in (1024, 24):
         llm = LLM(default_model, dtype=dtype, quantization=quantization, chunk_size=chunk)
         assert llm.engine.model.kernels.amx_attention == amx_attention
+        assert bool(llm.engine.model.kernels.amx_int8_rows) == (compute == "amx-tiles")
         out = llm.generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
     diff = max(abs(a - b) for a, b in zip(*runs))
@@ -204,9 +215,13 @@ def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp
     assert with_hf >= MIN_BF16_AGREEMENT_WITH_HF_BF16
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype):
+@pytest.mark.parametrize("dtype, amx_int8", [("float32", "1"), ("float32", "0"), ("bfloat16", "1")])
+def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype, amx_int8, monkeypatch):
+    monkeypatch.setenv("CHARIOTEER_AMX_INT8", amx_int8)
     llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
+    # the 16-token chunks run on AMX tiles where they run and CHARIOTEER_AMX_INT8 is not 0
+    tiles = amx_int8 == "1" and cpu_kernels.amx_int8_unavailable_reason() is None
+    assert bool(llm.engine.model.kernels.amx_int8_rows) == tiles
     weights = llm.engine.model.linears[0]["gate_up"]
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
     # fp32 activations (also widened bf16's) run the int8 panel kernel where the CPU kernels are; bf16
@@ -215,7 +230,7 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     assert fp32_activations == (dtype == "float32" or llm.engine.model.kernels.widened_bf16)
     assert (weights.panels is not None) == (fp32_activations and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
-    print(f"\n[int8, {dtype} activations] greedy agreement with fp32: {agreement:.2f}")
+    print(f"\n[int8, {dtype} activations, AMX tiles {tiles}] greedy agreement with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
 
 

@@ -49,6 +49,16 @@ PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bf
                       "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
+def peak_dtype(dtype: str, quantization: str | None = None) -> str:
+    """The dtype whose measured matmul peak bounds a model's GEMMs (the roofline MFU is taken against):
+    int8 weights multiply in fp32 on the panel kernel, but in bf16 where they run on AMX tiles."""
+    from charioteer.model import cpu_kernels
+
+    if quantization == "int8" and dtype == "float32" and cpu_kernels.amx_int8_unavailable_reason() is None:
+        return "bfloat16"
+    return dtype
+
+
 def add_setup_args(p: argparse.ArgumentParser) -> None:
     """--model, --num-layers, --device, --dtype, --quantization (engine settings), --threads, --refresh-roofline,
     --json."""
@@ -91,7 +101,6 @@ def prepare_device(args) -> dict:
     import torch
 
     from charioteer.bench.roofline import describe, roofline
-    from charioteer.model.precision import dtype_name, resolve_dtype
 
     if args.threads is not None:
         if args.threads < 1:
@@ -99,19 +108,30 @@ def prepare_device(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda given but torch sees no CUDA device here; use --device cpu")
-    dtype = dtype_name(resolve_dtype(args.dtype, torch.device(args.device)))
-    roof = roofline(args.device, refresh=args.refresh_roofline, dtype=dtype)
+    dtype = model_dtype(args)
+    roof = roofline(args.device, refresh=args.refresh_roofline,
+                    dtype=peak_dtype(dtype, args.quantization) if args.device == "cpu" else dtype)
     print(describe(roof), file=sys.stderr)
     return roof
 
 
+def model_dtype(args) -> str:
+    """--dtype, with auto resolved for --device."""
+    import torch
+
+    from charioteer.model.precision import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(args.dtype, torch.device(args.device)))
+
+
 def load_setup(args, roof: dict, max_cached_tokens: int = 32768) -> ex.Setup:
     """The model to measure (--model, --num-layers, --device), described on stderr."""
+    dtype = model_dtype(args)
     setup = ex.make_setup(args.model, args.device, roof, args.num_layers, max_cached_tokens,
-                          quantization=args.quantization)
+                          quantization=args.quantization, dtype=dtype)
     c = setup.model.config
     print(f"model: {c.name}, {c.num_layers} layers, hidden {c.hidden_size}, ffn {c.intermediate_size}, "
-          f"vocab {c.vocab_size}, {args.device}, {roof['dtype']}{' int8' * bool(args.quantization)}, "
+          f"vocab {c.vocab_size}, {args.device}, {dtype}{' int8' * bool(args.quantization)}, "
           f"{ex.threads()} threads", file=sys.stderr)
     return setup
 

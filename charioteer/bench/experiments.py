@@ -84,10 +84,10 @@ class Setup:
 
 
 def make_setup(model: str | None, device: str, roofline: dict, num_layers: int | None = None,
-               max_cached_tokens: int = 32768, quantization: str | None = None) -> Setup:
-    """The model in the roofline's dtype (and `quantization`), its batch timer, and the roofline."""
+               max_cached_tokens: int = 32768, quantization: str | None = None, dtype: str | None = None) -> Setup:
+    """The model in `dtype` (default: the roofline's) and `quantization`, its batch timer, and the roofline."""
     loaded = load_model(model or DEFAULT_BENCH_MODEL, num_layers=num_layers)
-    dtype = resolve_dtype(roofline.get("dtype", "float32"), torch.device(device))
+    dtype = resolve_dtype(dtype or roofline.get("dtype", "float32"), torch.device(device))
     llama = LlamaModel(loaded.config, loaded.state_dict, device, dtype=dtype,
                        quantization=quantization)
     return Setup(loaded, llama, BatchTimer(llama, max_cached_tokens), device, roofline)

@@ -14,7 +14,8 @@ the fp32 weights Charioteer writes out as a Hugging Face folder (the GGUF dequan
 runs the GGUF as shipped (Q4_1 weights), so it reads about a sixth of the weight bytes.
 
 Precisions (`--dtypes`): float32 and bfloat16 for every engine but llama.cpp; int8 is Charioteer's
-weight-only int8 (`quantization="int8"`, fp32 activations) against llama.cpp on a Q8_0 GGUF, which
+weight-only int8 (`quantization="int8"`, fp32 activations, rounded to bf16 for GEMMs of 16 rows or
+more where they run on AMX tiles; MFU then against the bf16 peak) against llama.cpp on a Q8_0 GGUF, which
 the worker quantizes once from the shipped one with llama.cpp's own quantizer. HF and vLLM have no
 weight-only int8 for these CPU builds, so their int8 rows say skipped.
 
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from charioteer.bench import peer_worker
-from charioteer.bench.common import PRECISION_SETTINGS, choices
+from charioteer.bench.common import PRECISION_SETTINGS, choices, peak_dtype
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import mfu
@@ -57,6 +58,7 @@ WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
+INT8_AMX = "int8 weights, bf16 GEMMs from 16 rows (AMX)"  # charioteer's int8 where it runs on AMX tiles
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
 NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
@@ -76,6 +78,8 @@ def precision_label(engine: str, dtype: str) -> str:
     cpu = torch.device("cpu")
     if engine.startswith("charioteer") and dtype == "bfloat16" and bf16_runs_widened(cpu):
         return NATIVE_GEMM_BF16 if native_bf16_gemm(cpu) else WIDENED_BF16
+    if engine.startswith("charioteer") and dtype == "int8" and peak_dtype("float32", "int8") == "bfloat16":
+        return INT8_AMX
     return PRECISION[dtype]
 
 
@@ -403,8 +407,7 @@ def cmd_bench_peers(args) -> int:
         if budget is not None and budget < BATCH_SIZE:
             raise ValueError(f"{flag} must be >= {BATCH_SIZE} (room for every decode), got {budget}")
     torch.set_num_threads(args.threads)  # the roofline of the thread count the engines run with
-    # int8 multiplies in fp32 (weight-only): its peak is fp32's
-    roofs = {dtype: roofline("cpu", dtype="float32" if dtype == "int8" else dtype) for dtype in ("float32",) + dtypes}
+    roofs = {dtype: roofline("cpu", dtype=peak_dtype(**PRECISION_SETTINGS[dtype])) for dtype in ("float32",) + dtypes}
     for roof in roofs.values():
         print(describe(roof), file=sys.stderr)
     runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)

@@ -21,6 +21,8 @@ SDPA run such small shapes.
   once, x read in place, C in 32 x 32 blocks. On SmolLM2's layers and a LLaMA-7B layer it is
   1.15-1.45x faster than oneDNN's bf16 GEMM from 1 to 64 rows, where oneDNN pays a per-call cost,
   and as fast at about 200 rows (llama.AMX_MAX_ROWS).
+- `amx_linear_int8`: int8 weights on the same tiles, widened to bf16 as they are used
+  (`amx_int8_unavailable_reason`; CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel).
 
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
 their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
@@ -284,7 +286,8 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
 
     Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
     fused gate/up and down weights; with int8 weights, `weight_scales` holds each layer's four
-    column scales (QKV, O, gate/up, down), layer after layer. With bf16 weights, `plain_weights` may
+    column scales (QKV, O, gate/up, down), layer after layer, and a batch of `native_rows` rows or
+    more (0: none) runs `amx_linear_int8` on the panels. With bf16 weights, `plain_weights` may
     hold the four unpacked in the same order: a batch of `native_rows` rows or more then rounds its
     input to bf16 for torch's bf16 GEMM (AMX) instead of the panels; smaller ones run the panels, or
     `amx_linear` where the weights were packed by `amx_pack` instead. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
@@ -297,18 +300,19 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
 
 
 AMX_FLAGS = {"amx_tile", "amx_bf16"}  # /proc/cpuinfo names
+AMX_INT8_FLAGS = AMX_FLAGS | {"avx512_bf16"}  # amx_linear_int8 widens int8 to bf16 with AVX512-BF16
 
 
-def amx_unavailable_reason(isa: str | None = None) -> str | None:
+def amx_unavailable_reason(isa: str | None = None, flags: set[str] = AMX_FLAGS) -> str | None:
     """None when `amx_linear` runs here (the CPU has AMX-BF16 tiles, Linux grants them to this process,
-    and CHARIOTEER_AMX is not 0), else why not."""
+    and CHARIOTEER_AMX is not 0), else why not; with AMX_INT8_FLAGS, the same for `amx_linear_int8`."""
     if os.environ.get("CHARIOTEER_AMX", "1") == "0":
         return "disabled by CHARIOTEER_AMX=0"
     if (isa or chosen_isa()) is None:
         return f"no CPU kernels ({unavailable_reason()})"
-    flags = cpu_flags()
-    if not flags or not AMX_FLAGS <= flags:
-        return "the CPU has no AMX-BF16 tiles"
+    cpu = cpu_flags()
+    if not cpu or not flags <= cpu:
+        return f"the CPU lacks {', '.join(sorted(flags - cpu))}"
     if not _kernels(isa).amx_ready():
         return "Linux refused this process AMX's tile state (arch_prctl)"
     return None
@@ -316,6 +320,18 @@ def amx_unavailable_reason(isa: str | None = None) -> str | None:
 
 def amx_available(isa: str | None = None) -> bool:
     return amx_unavailable_reason(isa) is None
+
+
+def amx_int8_unavailable_reason(isa: str | None = None) -> str | None:
+    """None when int8 weights run on AMX tiles here (`amx_linear_int8`), else why not: as
+    `amx_unavailable_reason`, and CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel (fp32
+    activations) where the tiles would run."""
+    if os.environ.get("CHARIOTEER_AMX_INT8", "1") == "0":
+        return "disabled by CHARIOTEER_AMX_INT8=0"
+    reason = amx_unavailable_reason(isa, AMX_INT8_FLAGS)
+    if reason is None and _kernels(isa).panel_width != 32:
+        return f"the {isa or chosen_isa()} build's panels are {_kernels(isa).panel_width} columns, the tiles read 32"
+    return reason
 
 
 def amx_pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
@@ -331,6 +347,16 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool 
     x alone. Faster than oneDNN's bf16 GEMM up to about 128 rows (`charioteer bench roofline
     --decode-stream --dtype bfloat16 --rows N`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
     return _kernels(isa).amx_linear(x, packed, n, bf16_output)
+
+
+def amx_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,
+                    isa: str | None = None) -> torch.Tensor:
+    """x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] on AMX tiles, for panels = pack(q) of int8 q
+    (the AVX-512 build's 32-column panels, which `linear` reads too): x rounded to bf16, each panel
+    widened to bf16 (exactly) into a buffer that stays in L2 for every 32-row pass, the products summed
+    in fp32 as `amx_linear` sums them, then times the column's scale. A row's result depends on its own
+    row of x alone."""
+    return _kernels(isa).amx_linear_int8(x, panels, n, scale)
 
 
 def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,

@@ -156,6 +156,8 @@ NATIVE_BF16_MIN_ROWS = 8
 # 1.11x [0.89, 1.36] at 128, 0.91x at 192 and 0.95x at 256; one LLaMA-7B layer 1.17x at 1 row,
 # 1.30-1.37x at 16-64, 1.24x [1.18, 2.30] at 128, 1.04x at 192 and 0.94x at 256.
 AMX_MAX_ROWS = 128
+# Rows from which int8 weights run on AMX tiles (cpu_kernels.amx_linear_int8), fewer on the panel kernel.
+AMX_INT8_MIN_ROWS = 16
 
 
 # Query heads per KV head from which prompt chunks attend on AMX tiles by default, at head_dim 64.
@@ -233,16 +235,25 @@ class NarrowLinear:
 class Int8Linear(NarrowLinear):
     """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
 
-    With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear. Without
-    them, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is 5-40x slower than the fp32
-    panel kernel on the same shape.
+    With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear: the panel
+    kernel widens q in registers. With `amx_rows` (the CPU has AMX tiles), a batch of that many rows or
+    more runs cpu_kernels.amx_linear_int8 on the same panels instead (x rounded to bf16, q widened to
+    bf16 per panel). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
+    5-40x slower than the fp32 panel kernel on the same shape.
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0) -> None:
+    __slots__ = ("amx_rows",)
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0, amx_rows: int = 0) -> None:
+        if amx_rows and not (panel_rows and dtype == torch.float32):
+            raise ValueError("int8 on AMX tiles reads the panels, with fp32 activations: give panel_rows")
         q, scale = quantize_int8(weight)
         super().__init__(q, scale.to(dtype), panel_rows)
+        self.amx_rows = amx_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_rows and x.shape[0] >= self.amx_rows:
+            return cpu_kernels.amx_linear_int8(x, self.panels, self.weight.shape[0], self.scale)
         if self.panels is None:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
         return super().__call__(x)
@@ -314,6 +325,7 @@ class Kernels:
     native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
     amx_tiles: bool = False  # with native_bf16_rows: cpu_kernels.amx_linear below them, not the panel kernel
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
+    amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -326,6 +338,8 @@ class Kernels:
             raise ValueError("amx_tiles runs the rows below native_bf16_rows: it needs them")
         if self.amx_attention and not self.native_bf16_rows:
             raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
+        if self.amx_int8_rows and not self.panel_rows:
+            raise ValueError("amx_int8_rows runs int8 weights from the panel kernel's panels: it needs them")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -339,7 +353,10 @@ class Kernels:
         kernels) where they run (`bf16_runs_widened`) and the head size suits them, else torch's bf16
         ops; where the CPU computes bf16 (AMX), widened bf16 takes torch's bf16 GEMM from
         NATIVE_BF16_MIN_ROWS rows and attends prompts in bf16 (`native_bf16_rows`); where it has AMX tiles
-        (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest. `batch_invariant` (fp32, no quantization): every kernel but MKL's on
+        (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest.
+        int8 weights (fp32 activations) run batches of AMX_INT8_MIN_ROWS rows or more on AMX tiles where
+        the CPU has them (`amx_int8_rows`, cpu_kernels.amx_int8_unavailable_reason), fewer on the panel kernel.
+        `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized:
@@ -358,17 +375,21 @@ class Kernels:
         torch_bf16 = kernels and dtype == torch.bfloat16 and not widened
         native_gemm = widened and not quantized and native_bf16_gemm(device)
         amx = native_gemm and cpu_kernels.amx_available()
+        amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=(AMX_MAX_ROWS + 1 if amx else NATIVE_BF16_MIN_ROWS) if native_gemm else 0,
-                   amx_tiles=amx, amx_attention=amx and amx_attention_enabled(config))
+                   amx_tiles=amx, amx_attention=amx and amx_attention_enabled(config),
+                   amx_int8_rows=AMX_INT8_MIN_ROWS if amx_int8 else 0)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
         a larger batch runs one plain GEMM, at another cost per row (the simulator's step cost model
         prices the two apart: charioteer.sim.validate)."""
+        if self.amx_int8_rows:
+            return self.amx_int8_rows - 1
         if self.native_bf16_rows:
             return self.native_bf16_rows - 1
         panel = self.panel_rows * (NARROW_PANEL_ROWS_FACTOR if quantized or self.widened_bf16 else 1)
@@ -548,7 +569,7 @@ class LlamaModel:
 
         def linear(weight: torch.Tensor, bf16_output: bool = False) -> Linear | NarrowLinear:
             if self.quantization == "int8":
-                return Int8Linear(weight, self.activation_dtype, k.panel_rows)
+                return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.amx_int8_rows)
             if k.widened_bf16:
                 return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.amx_tiles)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
@@ -577,7 +598,7 @@ class LlamaModel:
                 weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
                 if self.quantization == "int8" else None,
                 plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows)
+                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.amx_int8_rows)
 
     @property
     def weight_bytes(self) -> int:

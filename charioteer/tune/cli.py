@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from charioteer.bench.common import add_setup_args, prepare_device, progress_bar
+from charioteer.bench.common import add_setup_args, model_dtype, prepare_device, progress_bar
 from charioteer.config import CacheConfig, add_setting_args
 from charioteer.scheduling.chunk_size import TimingTable, recommend_chunk_size, split_for_pd
 
@@ -77,7 +77,8 @@ def cmd_tune(args) -> int:
     prompt_len, decode_len, seq_len = workload_lengths(args)
     roof = prepare_device(args)
     setup = ex.make_setup(args.model, args.device, roof, args.num_layers,
-                          max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows, quantization=args.quantization)
+                          max_cached_tokens=seq_len * args.max_num_seqs + args.max_rows, quantization=args.quantization,
+                          dtype=model_dtype(args))
     c = setup.model.config
     kv_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, setup.model.dtype.itemsize)
     weights = setup.model.weight_bytes

@@ -23,5 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the order AMX's B tiles read it");
   m.def("amx_linear", &amx_linear, "x bf16 @ w.T on AMX tiles, for a weight packed by amx_pack", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
+  m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
   m.def("amx_prefill_attention", &amx_prefill_attention, "a prompt chunk's causal attention on AMX tiles");
 }

@@ -54,6 +54,8 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                                    : panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
+  if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels on AMX tiles
+    return amx_linear_int8(x, panels, n, *scale(layer, which));
   return panel_linear(x, panels, n, scale(layer, which));
 }
 

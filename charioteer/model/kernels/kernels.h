@@ -27,6 +27,9 @@ bool amx_ready();  // Linux granted this process the tile state
 torch::Tensor amx_pack(const torch::Tensor& weight);
 // x bf16 [M, K] @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+// x fp32 [M, K] rounded to bf16 @ (q * scale[:, None]).T -> fp32 [M, n], for int8 q in the AVX-512
+// build's 32-column panels (panel_linear's): each panel widened to bf16 (exact); also needs AVX512-BF16.
+torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale);
 // A prompt chunk's attention (amx_attention.cpp): q bf16 [n, heads, dim] at positions start..start+n-1 against
 // k, v bf16 [start + n, kv_heads, dim], causal; writes out [n, heads, dim] (fp32 or bf16; rows may be strided).
 void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
@@ -38,7 +41,8 @@ class DecodeLayers {
   // Per layer: the two norm weights and the four weights packed into panels (cpu_kernels.pack), or
   // for bf16 with `plain`, into AMX tiles (amx_pack) where the model runs those.
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
-  // order; empty for fp32 or bf16 panels. `plain`: for bf16 panels, each layer's four weights as
+  // order; empty for fp32 or bf16 panels; a batch of `native_rows` rows or more (0: none) then runs
+  // amx_linear_int8 on the same panels. `plain`: for bf16 panels, each layer's four weights as
   // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
   // same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
   // through oneDNN's bf16 GEMM (AMX), as NarrowLinear does; empty: the panels only.
