@@ -30,7 +30,7 @@ BF16_CHUNKED_LOGPROB_TOL = 0.3
 # int8 weights with fp32 activations sum in fp32, as fp32 weights do: only the order of the
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
-# On AMX tiles (16 rows or more) int8's activations are rounded to bf16, so a difference in the last
+# On AMX tiles (8 rows or more) int8's activations are rounded to bf16, so a difference in the last
 # fp32 bit may round an input to the next bf16 value, as in bf16: bf16's bound. Measured on a Xeon
 # with AMX on 728 tokens: 0.091.
 INT8_AMX_CHUNKED_LOGPROB_TOL = BF16_CHUNKED_LOGPROB_TOL

@@ -14,7 +14,7 @@ the fp32 weights Charioteer writes out as a Hugging Face folder (the GGUF dequan
 runs the GGUF as shipped (Q4_1 weights), so it reads about a sixth of the weight bytes.
 
 Precisions (`--dtypes`): float32 and bfloat16 for every engine but llama.cpp; int8 is Charioteer's
-weight-only int8 (`quantization="int8"`, fp32 activations, rounded to bf16 for GEMMs of 16 rows or
+weight-only int8 (`quantization="int8"`, fp32 activations, rounded to bf16 for GEMMs of 8 rows or
 more where they run on AMX tiles; MFU then against the bf16 peak) against llama.cpp on a Q8_0 GGUF, which
 the worker quantizes once from the shipped one with llama.cpp's own quantizer. HF and vLLM have no
 weight-only int8 for these CPU builds, so their int8 rows say skipped.
@@ -58,7 +58,7 @@ WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
-INT8_AMX = "int8 weights, bf16 GEMMs from 16 rows (AMX)"  # charioteer's int8 where it runs on AMX tiles
+INT8_AMX = "int8 weights, bf16 GEMMs from 8 rows (AMX)"  # charioteer's int8 where it runs on AMX tiles
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
 NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.

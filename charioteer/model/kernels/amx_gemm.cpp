@@ -13,12 +13,14 @@
 // in the same k order whatever the batch, so its result does not depend on the other rows.
 //
 // int8 weights (amx_linear_int8, weight-only: precision.quantize_int8's, one scale per output column)
-// are read from the AVX-512 panel kernel's 32-column panels, so the model keeps one copy: each panel
-// (a pair of column blocks) is widened to bf16 in tile order (exact: |q| <= 127) into a buffer that
-// stays in L2 while every pass reads it; x is rounded to bf16, and the column scales multiply the
-// fp32 sums. So int8 reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing
-// x's rows to int8 for AMX's int8 tiles instead ran up to 1.8x faster still, but SmolLM2's greedy
-// tokens then agreed with fp32's for 0.45 of the tokens, against 0.79.)
+// are read from the AVX-512 panel kernel's 32-column panels, so the model keeps one copy, and widened
+// to bf16 in tile order (exact: |q| <= 127): with one pass (up to 32 rows) each k-step just before
+// its tiles use it, into two slots in L1 taken in turn, so the widening overlaps the stream and the
+// tiles; with more, each panel (a pair of column blocks) once into a buffer that stays in L2 while
+// every pass reads it. x is rounded to bf16, and the column scales multiply the fp32 sums. So int8
+// reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing x's rows to int8
+// for AMX's int8 tiles instead ran up to 1.8x faster still, but SmolLM2's greedy tokens then agreed
+// with fp32's for 0.45 of the tokens, against 0.79.)
 //
 // Built into both ISA builds (the functions carry AMX's or AVX-512's target attribute); the
 // caller checks the CPU (cpu_kernels.amx_available) before calling, and amx_ready asks Linux for
@@ -32,6 +34,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -52,31 +55,23 @@ void configure(int64_t rows0, int64_t rows1) {
 }
 
 // C[RT row tiles x CT column blocks], stored to c (32 floats a row), = A . B over kb k-steps. A's
-// second row tile starts a_tile bytes after its first, rows a_stride bytes apart; B's column blocks
-// b0, b1 are contiguous streams of tiles, prefetched ahead when they come from memory.
-template <int RT, int CT>
-__attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a_tile, int64_t a_stride,
-                                                         const char* b0, const char* b1, int64_t kb, bool prefetch,
-                                                         float* c) {
+// second row tile starts a_tile bytes after its first, rows a_stride bytes apart; b_tiles(k) gives
+// the two B tiles of k-step k (column blocks 0 and 1, 64-byte rows), fetching or making them.
+template <int RT, int CT, typename BTiles>
+__attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a_tile, int64_t a_stride, int64_t kb,
+                                                         const BTiles& b_tiles, float* c) {
   _tile_zero(0);
   if (CT > 1) _tile_zero(1);
   if (RT > 1) _tile_zero(2);
   if (RT > 1 && CT > 1) _tile_zero(3);
   for (int64_t k = 0; k < kb; ++k) {
-    if (prefetch) {
-      const char* ahead0 = b0 + (k + kPrefetchTiles) * kTileBytes;
-      const char* ahead1 = b1 + (k + kPrefetchTiles) * kTileBytes;
-      for (int line = 0; line < 16; ++line) {
-        _mm_prefetch(ahead0 + 64 * line, _MM_HINT_T0);
-        if (CT > 1) _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
-      }
-    }
+    const auto [b0, b1] = b_tiles(k);
     const char* ak = a + k * 64;
     _tile_loadd(4, ak, a_stride);
-    _tile_loadd(6, b0 + k * kTileBytes, 64);
+    _tile_loadd(6, b0, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (CT > 1) {
-      _tile_loadd(7, b1 + k * kTileBytes, 64);
+      _tile_loadd(7, b1, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (RT > 1) {
@@ -107,22 +102,23 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_pairs(u
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), both));
 }
 
-// One 32-column int8 panel ([k][32], k rows) -> the two column blocks' bf16 B tiles (kb each, block 1
-// after block 0), zero past k: tile row r of k-step t holds k = 32t + 2r and + 1 of each column.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_panel(const int8_t* panel, int64_t k, int64_t kb,
-                                                                         uint16_t* tiles) {
+// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32], k rows) -> its two column blocks' bf16
+// B tiles, step t's at block0 and block1 + (t - t0) tiles, zero past k: tile row r of step t holds
+// k = 32t + 2r and + 1 of each column.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_steps(const int8_t* panel, int64_t k, int64_t t0,
+                                                                         int64_t t1, uint16_t* block0,
+                                                                         uint16_t* block1) {
   constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead (from memory, one stream)
-  uint16_t* block1 = tiles + kb * kTileElems;
   const __m512 zero = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < kb * kTileK; kk += 2) {
-    const int64_t row = kk / kTileK * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
+  for (int64_t kk = t0 * kTileK; kk < t1 * kTileK; kk += 2) {
+    const int64_t row = (kk / kTileK - t0) * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
     const int8_t* at = panel + kk * kPairCols;
     if (kk + 1 < k) {
       _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
-      store_pairs(tiles + row, widen_16(at), widen_16(at + kPairCols));
+      store_pairs(block0 + row, widen_16(at), widen_16(at + kPairCols));
       store_pairs(block1 + row, widen_16(at + kTileN), widen_16(at + kPairCols + kTileN));
     } else {  // the last odd k, then zeros
-      store_pairs(tiles + row, kk < k ? widen_16(at) : zero, zero);
+      store_pairs(block0 + row, kk < k ? widen_16(at) : zero, zero);
       store_pairs(block1 + row, kk < k ? widen_16(at + kTileN) : zero, zero);
     }
   }
@@ -130,7 +126,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_panel(const in
 
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
-// (cpu_kernels.pack), widened per panel first. Each pair of column blocks runs every 32-row pass in
+// (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column blocks runs every 32-row pass in
 // turn. store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows
 // r0.. and columns from block j on.
 template <bool kInt8Weights, typename Store>
@@ -140,17 +136,20 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
   const int64_t block_bytes = kb * kTileBytes;  // one column block's tiles in bf16
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t first, int64_t last) {
     alignas(64) float c[kPassRows * kPairCols];
+    alignas(64) uint16_t ring[4 * kTileElems];  // int8 weights in one pass: two k-steps' B tiles in turn
     thread_local std::vector<uint16_t> widened;  // int8 weights: the panel in bf16 tiles (L2-sized)
-    if (kInt8Weights && static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems) widened.resize(2 * kb * kTileElems);
+    if (kInt8Weights && passes > 1 && static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems)
+      widened.resize(2 * kb * kTileElems);
     int64_t configured = -1;  // the rows of the pass the tiles are configured for
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t j = 2 * pair, blocks = std::min<int64_t>(2, nb - j);
-      const char* b0;
+      const int8_t* panel = static_cast<const int8_t*>(packed) + pair * k * kPairCols;
+      const char* b0 = static_cast<const char*>(packed) + j * block_bytes;  // bf16 tiles
       if constexpr (kInt8Weights) {
-        widen_panel(static_cast<const int8_t*>(packed) + pair * k * kPairCols, k, kb, widened.data());
-        b0 = reinterpret_cast<const char*>(widened.data());
-      } else {
-        b0 = static_cast<const char*>(packed) + j * block_bytes;
+        if (passes > 1) {  // widened once for every pass
+          widen_steps(panel, k, 0, kb, widened.data(), widened.data() + kb * kTileElems);
+          b0 = reinterpret_cast<const char*>(widened.data());
+        }
       }
       const char* b1 = b0 + block_bytes;
       const int64_t cols = std::min(kPairCols, n - j * kTileN);
@@ -161,13 +160,34 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
           configured = rows;
         }
         const char* arows = a + r0 * a_stride;
-        const bool prefetch = !kInt8Weights && pass == 0;  // later passes, and widened weights, are in L2
-        if (rows > kTileRows) {
-          if (blocks == 2) block<2, 2>(arows, a_tile, a_stride, b0, b1, kb, prefetch, c);
-          else block<2, 1>(arows, a_tile, a_stride, b0, b1, kb, prefetch, c);
-        } else {
-          if (blocks == 2) block<1, 2>(arows, a_tile, a_stride, b0, b1, kb, prefetch, c);
-          else block<1, 1>(arows, a_tile, a_stride, b0, b1, kb, prefetch, c);
+        const auto run = [&](const auto& b_tiles) {
+          if (rows > kTileRows) {
+            if (blocks == 2) block<2, 2>(arows, a_tile, a_stride, kb, b_tiles, c);
+            else block<2, 1>(arows, a_tile, a_stride, kb, b_tiles, c);
+          } else {
+            if (blocks == 2) block<1, 2>(arows, a_tile, a_stride, kb, b_tiles, c);
+            else block<1, 1>(arows, a_tile, a_stride, kb, b_tiles, c);
+          }
+        };
+        const auto stored = [&](int64_t t) { return std::pair(b0 + t * kTileBytes, b1 + t * kTileBytes); };
+        if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
+          run([&](int64_t t) {
+            uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
+            widen_steps(panel, k, t, t + 1, slot, slot + kTileElems);
+            return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
+          });
+        } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
+          run([&](int64_t t) {
+            const char* ahead0 = b0 + (t + kPrefetchTiles) * kTileBytes;
+            const char* ahead1 = b1 + (t + kPrefetchTiles) * kTileBytes;
+            for (int line = 0; line < 16; ++line) {
+              _mm_prefetch(ahead0 + 64 * line, _MM_HINT_T0);
+              if (blocks > 1) _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
+            }
+            return stored(t);
+          });
+        } else {  // later passes, and widened weights, are in L2
+          run(stored);
         }
         store(r0, rows, j, cols, c);
       }
