@@ -222,6 +222,7 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     # the 16-token chunks run on AMX tiles where they run and CHARIOTEER_AMX_INT8 is not 0
     tiles = amx_int8 == "1" and cpu_kernels.amx_int8_unavailable_reason() is None
     assert bool(llm.engine.model.kernels.amx_int8_rows) == tiles
+    assert llm.engine.capacity()["kernels"]["amx_int8_rows"] == llm.engine.model.kernels.amx_int8_rows  # charioteer info
     weights = llm.engine.model.linears[0]["gate_up"]
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
     # fp32 activations (also widened bf16's) run the int8 panel kernel where the CPU kernels are; bf16

@@ -114,6 +114,8 @@ class LLMEngine:
             # fp32 where bf16 runs widened (charioteer.model.precision); the stages' own with a pipeline
             "activation_dtype": dtype_name(self.model.activation_dtype) if self.model is not None else None,
             "quantization": self.args.quantization,
+            # which GEMM, attention and row-op paths this CPU runs (llama.Kernels); None with a pipeline
+            "kernels": dataclasses.asdict(self.model.kernels) if self.model is not None else None,
             "kv_bytes_per_token": self.kv_token_bytes,
             "weight_bytes": weights,
             "max_model_len": self.max_model_len,
