@@ -241,7 +241,7 @@ class Int8Linear(NarrowLinear):
     With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear: the panel
     kernel widens q in registers. With `amx_rows` (the CPU has AMX tiles), a batch of that many rows or
     more runs cpu_kernels.amx_linear_int8 on the same panels instead (x rounded to bf16, q widened to
-    bf16 per panel). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
+    bf16 as the tiles use it). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
     5-40x slower than the fp32 panel kernel on the same shape.
     """
 
