@@ -49,12 +49,13 @@ PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bf
                       "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
-def peak_dtype(dtype: str, quantization: str | None = None) -> str:
+def peak_dtype(dtype: str, quantization: str | None = None, device: str = "cpu") -> str:
     """The dtype whose measured matmul peak bounds a model's GEMMs (the roofline MFU is taken against):
     int8 weights multiply in fp32 on the panel kernel, but in bf16 where they run on AMX tiles."""
     from charioteer.model import cpu_kernels
 
-    if quantization == "int8" and dtype == "float32" and cpu_kernels.amx_int8_unavailable_reason() is None:
+    if (device == "cpu" and quantization == "int8" and dtype == "float32"
+            and cpu_kernels.amx_int8_unavailable_reason() is None):
         return "bfloat16"
     return dtype
 
@@ -109,8 +110,7 @@ def prepare_device(args) -> dict:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda given but torch sees no CUDA device here; use --device cpu")
     dtype = model_dtype(args)
-    roof = roofline(args.device, refresh=args.refresh_roofline,
-                    dtype=peak_dtype(dtype, args.quantization) if args.device == "cpu" else dtype)
+    roof = roofline(args.device, refresh=args.refresh_roofline, dtype=peak_dtype(dtype, args.quantization, args.device))
     print(describe(roof), file=sys.stderr)
     return roof
 

@@ -34,9 +34,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <utility>
-#include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -126,9 +125,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_steps(const in
 
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
-// (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column blocks runs every 32-row pass in
-// turn. store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows
-// r0.. and columns from block j on.
+// (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column
+// blocks runs every 32-row pass in turn. store(r0, rows, j, cols, c) writes a pass's block of C (rows
+// x cols, 32 floats a row) for rows r0.. and columns from block j on.
 template <bool kInt8Weights, typename Store>
 void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, int64_t nb, int64_t kb, int64_t k,
                int64_t n, const Store& store) {
@@ -143,15 +142,16 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
     int64_t configured = -1;  // the rows of the pass the tiles are configured for
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t j = 2 * pair, blocks = std::min<int64_t>(2, nb - j);
-      const int8_t* panel = static_cast<const int8_t*>(packed) + pair * k * kPairCols;
-      const char* b0 = static_cast<const char*>(packed) + j * block_bytes;  // bf16 tiles
+      const int8_t* panel = static_cast<const int8_t*>(packed) + pair * k * kPairCols;  // int8 weights
+      const char* b0 = nullptr;  // the pair's bf16 tiles, block 1 after block 0, where they are kept
       if constexpr (kInt8Weights) {
         if (passes > 1) {  // widened once for every pass
           widen_steps(panel, k, 0, kb, widened.data(), widened.data() + kb * kTileElems);
           b0 = reinterpret_cast<const char*>(widened.data());
         }
+      } else {
+        b0 = static_cast<const char*>(packed) + j * block_bytes;
       }
-      const char* b1 = b0 + block_bytes;
       const int64_t cols = std::min(kPairCols, n - j * kTileN);
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t r0 = pass * kPassRows, rows = std::min(kPassRows, m - r0);
@@ -169,7 +169,9 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
             else block<1, 1>(arows, a_tile, a_stride, kb, b_tiles, c);
           }
         };
-        const auto stored = [&](int64_t t) { return std::pair(b0 + t * kTileBytes, b1 + t * kTileBytes); };
+        const auto stored = [&](int64_t t) {
+          return std::pair(b0 + t * kTileBytes, b0 + block_bytes + t * kTileBytes);
+        };
         if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
           run([&](int64_t t) {
             uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
@@ -179,7 +181,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
         } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
           run([&](int64_t t) {
             const char* ahead0 = b0 + (t + kPrefetchTiles) * kTileBytes;
-            const char* ahead1 = b1 + (t + kPrefetchTiles) * kTileBytes;
+            const char* ahead1 = ahead0 + block_bytes;
             for (int line = 0; line < 16; ++line) {
               _mm_prefetch(ahead0 + 64 * line, _MM_HINT_T0);
               if (blocks > 1) _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
