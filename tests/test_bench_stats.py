@@ -178,9 +178,25 @@ def test_a_rate_above_the_peak_remeasures_and_mfu_stays_at_most_1(fake_machine, 
     values = rl.mfu(roof, [(180e9, 1.0), (90e9, 1.0)])
     assert fake_machine["peak_calls"] == 3 and roof["peak_matmul_gflops"] == 180.0
     assert max(values) <= 1 and values[0] == pytest.approx(1.0)
-    assert roof["peak_raised_from_gflops"] == 100.0 and roof["ridge_flops_per_byte"] == 18.0
+    assert roof["peak_raised_from_gflops"] == 150.0 and roof["ridge_flops_per_byte"] == 18.0  # raised from the re-measured 150
     assert "becomes the peak" in capsys.readouterr().err
     assert rl.mfu(None, [(1.0, 1.0)]) == [None]
+
+
+def test_a_rate_far_above_a_fresh_peak_is_not_that_dtypes_and_gets_no_mfu(fake_machine, capsys):
+    """A rate 1.7x a fresh measurement is another precision's work (or miscounted FLOPs): it must not
+    become the peak, where it would make every later MFU of that dtype too low."""
+    roof = rl.roofline("cpu")  # peak 100 GFLOP/s
+    fake_machine["peak"] = 102e9
+    values = rl.mfu(roof, [(170e9, 1.0), (51e9, 1.0)])
+    assert fake_machine["peak_calls"] == 2 and roof["peak_matmul_gflops"] == 102.0
+    assert values == [None, pytest.approx(0.5)]
+    assert "not a float32 matmul rate" in capsys.readouterr().err
+    stored = rl.roofline("cpu")
+    assert stored["peak_matmul_gflops"] == 102.0 and "peak_raised_from_gflops" not in stored
+    # within the factor, a rate above the fresh peak still becomes the peak
+    fake_machine["peak"] = 100e9
+    assert rl.mfu(roof, [(140e9, 1.0)]) == [pytest.approx(1.0)] and roof["peak_matmul_gflops"] == 140.0
 
 
 def test_an_observed_rate_is_rounded_up_into_the_peak(fake_machine):

@@ -253,3 +253,8 @@ def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
         element_bytes = 2 if "bf16" in r["backend"] else 1 if "int8" in r["backend"] else 4
         assert r["weight_mb"] == round(weights * element_bytes / 1e6, 1) and r["ms"] > 0 and r["gflops"] > 0
     assert {"bf16" in r["backend"] for r in rows} == ({True, False} if cpu_kernels.available() else {False})
+    # Only the backends that multiply in bf16 may raise the bf16 roofline, and only the rest the fp32 one
+    # (an AMX tile rate once raised a 2-core Xeon's fp32 peak to 1.7x what it measures).
+    for r in rows:
+        multiplies_bf16 = r["backend"] in ("onednn packed bf16", "amx tiles bf16")
+        assert r["compute"] == ("bfloat16" if multiplies_bf16 else "float32"), r["backend"]

@@ -122,8 +122,11 @@ def test_rows_from_repeated_runs_with_mfu_held_to_the_peak(monkeypatch, canned_b
     stored peak makes the roofline re-measure it, and no MFU comes out above 1."""
     from charioteer.bench import roofline as rl
 
-    monkeypatch.setattr(rl, "measure_peak_matmul_flops", lambda *a, **k: 1e6)  # the fresh measurement: 0.001 GFLOP/s
     w = canned_b
+    # The fresh measurement: a little below the fastest run's rate, which then becomes the peak.
+    observed, observe = [], rl.observe
+    monkeypatch.setattr(rl, "observe", lambda roof, rate: observed.append(rate) or observe(roof, rate))
+    monkeypatch.setattr(rl, "measure_peak_matmul_flops", lambda *a, **k: observed[-1] / 1.2)
     elapsed = {"charioteer-sarathi": iter([1.0, 1.1, 0.9]), "hf-static": iter([3.0, 3.3, 2.9])}
 
     def fake_run(python, engine, model, workloads, threads, timeout_s, dtype="float32"):

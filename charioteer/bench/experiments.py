@@ -30,7 +30,7 @@ import torch
 from charioteer.bench.batch_timer import BatchShape, BatchTimer
 from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, pd_grid, run_e2e
 from charioteer.bench.roofline import mfu
-from charioteer.bench.stats import compare, interleaved, median, put
+from charioteer.bench.stats import compare, interleaved, median, put, put_mfu
 from charioteer.model.config import ModelConfig
 from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
@@ -80,7 +80,7 @@ class Setup:
         """Write every recorded MFU through roofline.mfu, which may raise the peak first."""
         values = iter(mfu(self.roofline, [(f, t) for _, _, f, samples in self.mfu_cells for t in samples]))
         for row, column, _, samples in self.mfu_cells:
-            put(row, column, [next(values) for _ in samples])
+            put_mfu(row, column, [next(values) for _ in samples])
 
 
 def make_setup(model: str | None, device: str, roofline: dict, num_layers: int | None = None,

@@ -137,7 +137,8 @@ def cmd_roofline(args) -> int:
     extra, sections, rates = {}, [], []
     if args.sweep:
         extra["matmul_sweep"] = matmul_sweep(args.device)
-        rates += [v for row in extra["matmul_sweep"] for k, v in row.items() if k.endswith("_gflops")]
+        if roof["dtype"] == "float32":
+            rates += [v for row in extra["matmul_sweep"] for k, v in row.items() if k.endswith("_gflops")]
         sections.append("fp32 GFLOP/s of a 22016 x 4096 weight (LLaMA-7B gate/up) by batch rows:\n"
                         + format_table(extra["matmul_sweep"], ["rows", "linear_gflops", "packed_gflops", "panel_gflops",
                                                                      "engine_gemm"]))
@@ -145,12 +146,13 @@ def cmd_roofline(args) -> int:
         if args.rows < 1:
             raise ValueError(f"--rows must be at least 1, got {args.rows}")
         extra["decode_gemm_stream"] = decode_gemm_stream(args.device, rows=args.rows)
-        rates += [row["gflops"] for row in extra["decode_gemm_stream"]]
+        rates += [row["gflops"] for row in extra["decode_gemm_stream"] if row["compute"] == roof["dtype"]]
         sections.append(f"One {args.rows}-row decode step's linear layers of SmolLM2-135M (weights streamed from memory):\n"
                         + format_table(extra["decode_gemm_stream"],
                                        ["backend", "ms", "weight_gbs", "gflops", "weight_mb", "lm_head_ms", "lm_head_gbs"]))
-    # The sweeps run fp32: a rate they observe above the fp32 peak raises it (a measured rate is a lower bound).
-    if rates and roof["dtype"] == "float32" and observe(roof, max(rates) * 1e9):
+    # A rate the sweeps observe above the peak of the dtype it computed in raises that peak (a measured rate
+    # is a lower bound); the matmul sweep and all but the bf16 backends of the decode stream compute in fp32.
+    if rates and observe(roof, max(rates) * 1e9):
         print(describe(roof), file=sys.stderr)
     emit(args, {**roof, **extra}, "\n".join([json.dumps(roof, indent=2), *sections]))
     return 0

@@ -46,7 +46,7 @@ from charioteer.bench.common import PRECISION_SETTINGS, choices, peak_dtype
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import mfu
-from charioteer.bench.stats import compare, median, put
+from charioteer.bench.stats import compare, median, put, put_mfu
 from charioteer.model.llama import bf16_runs_widened
 from charioteer.model.precision import native_bf16_gemm
 
@@ -333,7 +333,7 @@ def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
             if roof is None:
                 row["mfu"] = None
             else:
-                put(row, "mfu", samples)
+                put_mfu(row, "mfu", samples)
     ref = {(r["workload"], r["_dtype"]): r for r in ok if r["engine"] == "charioteer-sarathi"}
     for row in ok:
         sarathi = ref.get((row["workload"], row["_dtype"]))

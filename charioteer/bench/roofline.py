@@ -13,6 +13,10 @@ Every benchmark states these beside its numbers, so "how close to the limit" is 
   low (a busy machine, a cold clock), so `mfu()` measures the peak again, says so on stderr, and
   if the observed rate still beats the fresh peak, the observed rate becomes the peak. No MFU is
   ever above 1.
+- A rate more than IMPLAUSIBLE_FACTOR above the fresh peak is not a matmul of that dtype (FLOPs
+  counted for work another precision did, or miscounted): it never becomes the peak, and its MFU is
+  not given. (`bench roofline --decode-stream` once let an AMX bf16 rate raise the fp32 peak of a
+  2-core Xeon to 733 GFLOP/s, where 7 fresh trials find 422, and later fp32 MFUs read 0.58x too low.)
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "
                 "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
                 "asimd", "sve", "sve2", "bf16", "i8mm")
 TRIALS = 7
+# How far above a fresh measurement of the peak an observed rate may be and still count as a rate of that
+# dtype's matmuls (a trial set on a busy machine, a cold clock, a better shape than the trials'); further
+# above, the FLOPs were not that dtype's.
+IMPLAUSIBLE_FACTOR = 1.5
 
 
 def _sync(device: torch.device) -> None:
@@ -265,7 +273,13 @@ def observe(roof: dict, flops_per_s: float) -> bool:
     print(f"roofline: observed {flops_per_s / 1e9:.1f} GFLOP/s, above the stored {dtype} peak of {old} GFLOP/s "
           "(MFU would exceed 1); measuring the peak again", file=sys.stderr)
     fresh = measure_peak_matmul_flops(device, dtype, roof.get("trials", TRIALS))
-    if flops_per_s > fresh:
+    if flops_per_s > fresh * IMPLAUSIBLE_FACTOR:
+        print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s is more than {IMPLAUSIBLE_FACTOR}x the fresh "
+              f"{fresh / 1e9:.1f} GFLOP/s: not a {dtype} matmul rate (another precision's work, or FLOPs miscounted); "
+              "the peak stays measured, and no MFU is given for rates above it", file=sys.stderr)
+        flops_per_s = 0.0  # the peak is what was measured
+        source = f"best of {roof.get('trials', TRIALS)} trials, re-measured"
+    elif flops_per_s > fresh:
         print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s still beats the fresh {fresh / 1e9:.1f} "
               "GFLOP/s and becomes the peak (a measured rate is a lower bound on the peak)", file=sys.stderr)
         source = "an observed rate above the measured peak"
@@ -276,7 +290,8 @@ def observe(roof: dict, flops_per_s: float) -> bool:
     roof["peak_matmul_gflops"] = math.ceil(best / 1e8) / 10  # rounded up: the rate divided by it stays <= 1
     roof["ridge_flops_per_byte"] = _ridge(roof)
     roof["peak_source"] = source
-    roof["peak_raised_from_gflops"] = roof.get("peak_raised_from_gflops", old)
+    if flops_per_s > fresh:
+        roof["peak_raised_from_gflops"] = roof.get("peak_raised_from_gflops", old)
     roof["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     roof["cached"] = False
     if "key" in roof:
@@ -289,7 +304,8 @@ def mfu(roof: dict | None, work: Sequence[tuple[float, float]]) -> list[float | 
 
     The one place an MFU is computed. The fastest rate of the lot is first held against the stored
     peak (`observe`), so every value returned is <= 1 and all of them use the same peak. Without a
-    roofline every value is None.
+    roofline every value is None, and so is the value of a rate still above the peak (one `observe`
+    found implausible).
     """
     rates = [flops / seconds if seconds > 0 else math.inf for flops, seconds in work]
     if roof is None or not rates:
@@ -298,7 +314,7 @@ def mfu(roof: dict | None, work: Sequence[tuple[float, float]]) -> list[float | 
     if finite:
         observe(roof, max(finite))
     peak = roof["peak_matmul_gflops"] * 1e9
-    return [min(1.0, r / peak) if math.isfinite(r) else None for r in rates]
+    return [r / peak if r <= peak else None for r in rates]
 
 def matmul_sweep(device: str | torch.device = "cpu", rows=(1, 8, 16, 32, 64, 71, 128, 256, 1024),
                  shape: tuple[int, int] = (22016, 4096), repeats: int = 5) -> list[dict]:
@@ -344,7 +360,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     where torch has them, and where the CPU computes bf16, widened bf16's two GEMMs on bf16 input
     (oneDNN's, and the AMX tile kernel where there are tiles). Reports the layers' time, the weight bytes read per second (of the
     weights as each backend stores them) and GFLOP/s, and the LM head's time and GB/s on its own
-    ([vocab, hidden], as tied to the embedding).
+    ([vocab, hidden], as tied to the embedding). `compute` names the dtype each backend multiplies in
+    (narrow weights on the panel kernel are widened to fp32), whose roofline its rate may raise.
     """
     import torch.nn.functional as F
 
@@ -363,7 +380,7 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     lm_head = torch.randn(vocab, h, device=device) * 0.02
     lm_input = torch.randn(rows, h, device=device)
 
-    def timed(name: str, prepare, call, element_bytes: int = 4) -> dict:
+    def timed(name: str, prepare, call, element_bytes: int = 4, compute: str = "float32") -> dict:
         prepared = [prepare(w) for w in weights]
         t = _best_time(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)], device, repeats)
         head = prepare(lm_head)
@@ -371,7 +388,7 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
         stored = nbytes // 4 * element_bytes
         # 3 significant digits: a small model's LM head takes a few microseconds, and its rates on a
         # busy machine can be a few MFLOP/s, which one decimal of GFLOP/s would round to 0
-        return {"backend": name, "ms": _sig3(t * 1e3), "weight_mb": round(stored / 1e6, 1),
+        return {"backend": name, "compute": compute, "ms": _sig3(t * 1e3), "weight_mb": round(stored / 1e6, 1),
                 "weight_gbs": _sig3(stored / t / 1e9), "gflops": _sig3(flops / t / 1e9),
                 "lm_head_ms": _sig3(t_head * 1e3), "lm_head_gbs": _sig3(lm_head.numel() * element_bytes / t_head / 1e9)}
 
@@ -397,11 +414,11 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     # widened bf16's GEMMs where the CPU computes bf16 (NarrowLinear): x rounded to bf16 at each call
     if device.type == "cpu" and onednn_packs_bf16():
         out.append(timed("onednn packed bf16", lambda w: pack_native_bf16(w.bfloat16()),
-                         lambda x, p, w: native_bf16_linear(x.bfloat16(), p), element_bytes=2))
+                         lambda x, p, w: native_bf16_linear(x.bfloat16(), p), element_bytes=2, compute="bfloat16"))
     if device.type == "cpu" and cpu_kernels.amx_available():
         out.append(timed("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
                          lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
-                         element_bytes=2))
+                         element_bytes=2, compute="bfloat16"))
     for row in out:
         row["rows"] = rows
     return out

@@ -128,6 +128,14 @@ def put(row: dict, name: str, samples: Sequence[float], scale: float = 1.0, digi
     return s
 
 
+def put_mfu(row: dict, name: str, samples: Sequence[float | None]) -> None:
+    """`put` for MFU samples from roofline.mfu, where None (no MFU for that rate) makes the cell None."""
+    if any(v is None for v in samples):
+        row[name], row[name + SPREAD] = None, None
+    else:
+        put(row, name, samples)
+
+
 def number(v) -> str:
     """A number as the tables print it: 3 significant digits below 10, one decimal above."""
     if v is None:
