@@ -106,7 +106,8 @@ def fake_validate(monkeypatch):
         calls.append({k: v for k, v in kwargs.items() if k != "progress"})
         policy = {"per_batch_mape": 0.1, "repeat_spread": 0.2, "validation_batches": 3, "measured_completion_s": 1.0,
                   "run_totals_median_s": 1.05, "simulated_completion_s": 1.1, "completion_error": 0.1, "same_batch_sequence": True}
-        return {"dtype": kwargs["dtype"], "chunk_size": kwargs["chunk_size"], "batch_cap": kwargs["batch_cap"],
+        return {"model": kwargs["model"], "dtype": kwargs["dtype"], "chunk_size": kwargs["chunk_size"],
+                "batch_cap": kwargs["batch_cap"],
                 "validation_runs": kwargs["repeats"], "calibration_batches": 10,
                 "policies": [{"policy": p, **policy} for p in kwargs["policies"]]}
 
@@ -115,17 +116,21 @@ def fake_validate(monkeypatch):
 
 
 def test_simulate_validate_explicit_chunk_size_wins(fake_validate, capsys):
+    from charioteer.sim import validate as sim_validate
+
     assert main(["simulate", "--validate", "--chunk-size", "256", "--json"]) == 0
     assert fake_validate[-1]["chunk_size"] == 256  # was silently 64 when 256 was asked for
     assert main(["simulate", "--validate", "--json"]) == 0
     assert fake_validate[-1]["chunk_size"] == 64 and fake_validate[-1]["batch_cap"] == 8  # the command's defaults
     assert main(["simulate", "--validate", "--scheduler", "orca", "--max-num-seqs", "4", "--chunk-size", "32"]) == 0
     assert fake_validate[-1] == dict(policies=["orca"], batch_cap=4, chunk_size=32, num_requests=24, seed=1,
-                                     repeats=9, dtype="float32")
+                                     repeats=9, dtype="float32", model=sim_validate.VALIDATION_MODEL)
     assert main(["simulate", "--validate", "--repeats", "3", "--dtype", "bfloat16", "--no-progress"]) == 0
     assert fake_validate[-1]["policies"] == ("sarathi", "orca", "request-level", "vllm")  # all four by default
     assert fake_validate[-1]["repeats"] == 3 and fake_validate[-1]["dtype"] == "bfloat16"
     assert "| vllm | 3 | 10.0 % | 20 % |" in capsys.readouterr().out
+    assert main(["simulate", "--validate", "--validation-model", sim_validate.SMALL_VALIDATION_MODEL, "--json"]) == 0
+    assert fake_validate[-1]["model"] == sim_validate.SMALL_VALIDATION_MODEL
 
 
 def test_simulate_default_chunk_size_is_the_declared_one():

@@ -121,9 +121,10 @@ def test_profiled_cost_model_prices_batches_from_a_measured_table(tmp_path, caps
 
 
 def test_validate_runs_the_real_engine_repeatedly_and_reports_both_errors():
-    from charioteer.sim.validate import validate
+    from charioteer.sim.validate import SMALL_VALIDATION_MODEL, validate
 
-    report = validate(policies=("orca", "sarathi"), batch_cap=4, chunk_size=32, num_requests=6, repeats=2)
+    report = validate(policies=("orca", "sarathi"), batch_cap=4, chunk_size=32, num_requests=6, repeats=2,
+                      model=SMALL_VALIDATION_MODEL)
     assert report["validation_runs"] == 2 and [r["policy"] for r in report["policies"]] == ["orca", "sarathi"]
     assert report["small_batch_rows"] >= 1
     for r in report["policies"]:

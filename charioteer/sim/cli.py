@@ -73,6 +73,11 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=9,
                    help="runs of every workload, interleaved; a batch's time is its median (default: %(default)s; "
                         "with 5, this 2-core host's noise left some policies above 5 %% per-batch error)")
+    g.add_argument("--validation-model", default=None,
+                   help="the real engine's model for --validate, a synthetic:... spec or a checkpoint (default: "
+                        "sim.validate.VALIDATION_MODEL, weights larger than a CPU's cache share; "
+                        "sim.validate.SMALL_VALIDATION_MODEL runs about 3-5x faster, but where its weights stay in "
+                        "the L3 the steps after a large prefill cost more than any per-batch model prices)")
     _add_workload_args(p.add_argument_group("workload"))
     add_search_args(p.add_argument_group("search (with --search)"))
     p.set_defaults(func=cmd_simulate)
@@ -240,12 +245,13 @@ def _validate(args, t0: float) -> int:
     with tqdm(total=runs, unit="run", file=sys.stderr, disable=args.no_progress) as bar:
         report = sim_validate.validate(policies=policies, batch_cap=sched["max_num_seqs"],
                                        chunk_size=sched["chunk_size"], num_requests=args.num_requests or 24,
-                                       seed=args.seed + 1, repeats=args.repeats, dtype=args.dtype, progress=bar)
+                                       seed=args.seed + 1, repeats=args.repeats, dtype=args.dtype,
+                                       model=args.validation_model or sim_validate.VALIDATION_MODEL, progress=bar)
     report["wall_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{report['dtype']}, C = {report['chunk_size']}, B = {report['batch_cap']}, each batch's time the median of "
+    print(f"{report['model']}, {report['dtype']}, C = {report['chunk_size']}, B = {report['batch_cap']}, each batch's time the median of "
           f"{report['validation_runs']} runs; cost model fitted on {report['calibration_batches']} calibration batches")
     print("measured completion: the sum of the batches' median times; the median of the runs' own totals beside it")
     print("| policy | batches | per-batch MAPE | repeat spread | measured (s) | run totals (s) | simulated (s) "

@@ -150,7 +150,14 @@ class StepCostModel(CostModel):
 
 # ---- driving the real engine ---------------------------------------------------------------------
 
-VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
+# Weights of 155 MB in bf16 and 310 MB in fp32: more than the last-level cache a 2-core share gets
+# here, so every step streams them from memory, as a deployed model's do. The 4-layer model of hidden
+# 512 (SMALL_VALIDATION_MODEL: 50 MB in fp32) stays in a Xeon's L3 (a single thread there reads 64 MB
+# at 28 GB/s, 128 MB at 12.5), and a decode step after a large prefill then finds them evicted and
+# runs up to 2x slower for several steps: a history a per-batch cost model cannot price (6-14 % per
+# batch there, 2-5 % with this one; charioteer/sim/README.md).
+VALIDATION_MODEL = "synthetic:vocab=1024,hidden=1024,intermediate=2816,layers=6,heads=8,context=2048"
+SMALL_VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
 POLICIES = ("sarathi", "orca", "request-level", "vllm")
 CALIBRATION_POLICIES = ("request-level", "sarathi", "orca")
 
@@ -227,7 +234,8 @@ def _workload(num_requests: int, seed: int, min_len: int, max_len: int):
 
 
 def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, num_requests: int = 24,
-             seed: int = 1, repeats: int = 9, dtype: str = "float32", progress=None) -> dict:
+             seed: int = 1, repeats: int = 9, dtype: str = "float32", model: str = VALIDATION_MODEL,
+             progress=None) -> dict:
     """Fit the step cost model on calibration runs, then check it per policy against validation runs.
 
     This machine's speed swings by 10-50 % for a second or so at a time, so the runs interleave (the
@@ -245,7 +253,7 @@ def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, nu
     calibration_workloads = [(pol, _workload(num_requests, seed + 100 * (i + 1), 32, 640))
                              for i, pol in enumerate(CALIBRATION_POLICIES)]
     max_len = max(int((w.prompt_len + w.decode_len).max()) for w in [workload] + [w for _, w in calibration_workloads])
-    pool = EnginePool(batch_cap, chunk_size, max_len, dtype)
+    pool = EnginePool(batch_cap, chunk_size, max_len, dtype, model)
     jobs = [(i, policy, cal) for i, (policy, cal) in enumerate(calibration_workloads)]
     jobs += [(policy, policy, workload) for policy in policies]
     runs = {key: [] for key, _, _ in jobs}
@@ -259,7 +267,7 @@ def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, nu
         calibration += zip(plans, np.median(times, axis=0).tolist())
     engine_model = pool.engine(policies[0]).model
     model = StepCostModel.fit(calibration, engine_model.small_batch_rows, engine_model.widen_rows)
-    return {"batch_cap": batch_cap, "chunk_size": chunk_size, "dtype": dtype, "num_requests": num_requests,
+    return {"model": model, "batch_cap": batch_cap, "chunk_size": chunk_size, "dtype": dtype, "num_requests": num_requests,
             "validation_runs": repeats, "calibration_batches": len(calibration), "coefs": model.coefs,
             "small_batch_rows": model.small_batch_rows, "widen_rows": model.widen_rows,
             "policies": [_policy_report(policy, runs[policy], model, workload, batch_cap, chunk_size, max_len)
