@@ -126,6 +126,7 @@ def test_validate_runs_the_real_engine_repeatedly_and_reports_both_errors():
     report = validate(policies=("orca", "sarathi"), batch_cap=4, chunk_size=32, num_requests=6, repeats=2,
                       model=SMALL_VALIDATION_MODEL)
     assert report["validation_runs"] == 2 and [r["policy"] for r in report["policies"]] == ["orca", "sarathi"]
+    assert report["model"] == SMALL_VALIDATION_MODEL
     assert report["small_batch_rows"] >= 1
     for r in report["policies"]:
         # Counted, not timed: the simulator issues the engine's exact batch sequence.

@@ -266,11 +266,11 @@ def validate(policies=("sarathi",), batch_cap: int = 8, chunk_size: int = 64, nu
         plans, times = _batch_times(runs[i], "calibration")
         calibration += zip(plans, np.median(times, axis=0).tolist())
     engine_model = pool.engine(policies[0]).model
-    model = StepCostModel.fit(calibration, engine_model.small_batch_rows, engine_model.widen_rows)
+    cost = StepCostModel.fit(calibration, engine_model.small_batch_rows, engine_model.widen_rows)
     return {"model": model, "batch_cap": batch_cap, "chunk_size": chunk_size, "dtype": dtype, "num_requests": num_requests,
-            "validation_runs": repeats, "calibration_batches": len(calibration), "coefs": model.coefs,
-            "small_batch_rows": model.small_batch_rows, "widen_rows": model.widen_rows,
-            "policies": [_policy_report(policy, runs[policy], model, workload, batch_cap, chunk_size, max_len)
+            "validation_runs": repeats, "calibration_batches": len(calibration), "coefs": cost.coefs,
+            "small_batch_rows": cost.small_batch_rows, "widen_rows": cost.widen_rows,
+            "policies": [_policy_report(policy, runs[policy], cost, workload, batch_cap, chunk_size, max_len)
                          for policy in policies]}
 
 
