@@ -68,7 +68,14 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                              f"{VALIDATE_DEFAULTS['max_num_seqs']} with --validate)"),
     })
     g.add_argument("--max-seq-len", type=int, default=None, help="KV reserved per request (default: longest request)")
-    g = p.add_argument_group("validation (with --validate)")
+    _add_validation_args(p.add_argument_group("validation (with --validate)"))
+    _add_workload_args(p.add_argument_group("workload"))
+    add_search_args(p.add_argument_group("search (with --search)"))
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def _add_validation_args(g) -> None:
     add_setting_args(g, ["dtype"])
     g.add_argument("--repeats", type=int, default=9,
                    help="runs of every workload, interleaved; a batch's time is its median (default: %(default)s; "
@@ -76,12 +83,8 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--validation-model", default=None,
                    help="the real engine's model for --validate, a synthetic:... spec or a checkpoint (default: "
                         "sim.validate.VALIDATION_MODEL, weights larger than a CPU's cache share; "
-                        "sim.validate.SMALL_VALIDATION_MODEL runs about 3-5x faster, but where its weights stay in "
+                        "sim.validate.SMALL_VALIDATION_MODEL runs 4-7x faster, but where its weights stay in "
                         "the L3 the steps after a large prefill cost more than any per-batch model prices)")
-    _add_workload_args(p.add_argument_group("workload"))
-    add_search_args(p.add_argument_group("search (with --search)"))
-    p.set_defaults(func=cmd_simulate)
-    return p
 
 
 def add_search_args(g) -> None:
