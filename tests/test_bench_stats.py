@@ -110,6 +110,14 @@ def test_roofline_is_cached_with_what_it_depends_on(fake_machine, tmp_path):
     assert list(stored.values())[0]["identity"] == ident
 
 
+def test_an_entry_stored_under_older_peak_rules_is_measured_again(fake_machine, monkeypatch):
+    """A cache written before bf16 rates were kept from raising an fp32 peak may hold such a peak."""
+    rl.roofline("cpu")
+    monkeypatch.setattr(rl, "PEAK_RULES", rl.PEAK_RULES + 1)
+    again = rl.roofline("cpu")
+    assert fake_machine["peak_calls"] == 2 and not again["cached"]
+
+
 def test_a_changed_cpu_feature_set_or_torch_version_is_measured_again(fake_machine, capsys):
     rl.roofline("cpu")
     fake_machine["features"] = ["avx", "avx2", "avx512f", "amx_tile", "fma"]  # the same name on a new machine

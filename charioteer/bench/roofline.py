@@ -6,7 +6,8 @@ Every benchmark states these beside its numbers, so "how close to the limit" is 
 - An entry is stored (`$XDG_CACHE_HOME/charioteer/roofline.json`) with what it depends on: the
   device, the processor model, its instruction-set features (`/proc/cpuinfo` flags such as avx2,
   avx512f, avx512_bf16, amx_tile) and torch's CPU capability, the thread count, the torch version
-  and the dtype. Any change of those is a different entry, measured afresh.
+  and the dtype, and the rules for what may raise a stored peak (`PEAK_RULES`). Any change of those
+  is a different entry, measured afresh.
 - Each dtype has its own entry (float32 by default; bfloat16 when asked).
 - A measured rate is a lower bound on the peak. Every MFU goes through `mfu()`, which checks the
   rates it is given against the stored peak: a rate above it means the stored peak was measured
@@ -40,6 +41,9 @@ TRIALS = 7
 # dtype's matmuls (a trial set on a busy machine, a cold clock, a better shape than the trials'); further
 # above, the FLOPs were not that dtype's.
 IMPLAUSIBLE_FACTOR = 1.5
+# Part of every entry's identity, raised when the rules for what may raise a stored peak change, so that
+# entries stored under older ones are measured again: 2 since bf16 rates could raise an fp32 peak.
+PEAK_RULES = 2
 
 
 def _sync(device: torch.device) -> None:
@@ -163,10 +167,12 @@ def identity(device: str | torch.device = "cpu", dtype: str = "float32") -> dict
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {"device": "cuda", "processor": torch.cuda.get_device_name(device), "features": [f"sm_{major}{minor}"],
-                "isa": f"cuda {torch.version.cuda}", "threads": None, "torch": torch_version(), "dtype": dtype}
+                "isa": f"cuda {torch.version.cuda}", "threads": None, "torch": torch_version(), "dtype": dtype,
+                "peak_rules": PEAK_RULES}
     ident = {"device": device.type, "processor": cpu_model(), "features": cpu_features(),
              "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-             "torch": torch_version(), "dtype": dtype, "bandwidth_readers": bandwidth_readers(device)}
+             "torch": torch_version(), "dtype": dtype, "bandwidth_readers": bandwidth_readers(device),
+             "peak_rules": PEAK_RULES}
     if dtype == "bfloat16":
         from charioteer.model.llama import bf16_runs_widened
 
