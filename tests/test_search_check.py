@@ -10,7 +10,7 @@ from charioteer.cli import main
 from charioteer.sim.validate import FEATURES, SPREAD_CLASSES, StepCostModel
 
 TRUTH = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-         "large_batch_tokens": 2e-5, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
+         "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
 
 
 def _noisy_records(noise: float, n: int = 400, seed: int = 0):

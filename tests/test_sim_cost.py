@@ -72,7 +72,7 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
     from charioteer.sim.validate import FEATURES, StepCostModel
 
     truth = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-             "large_batch_tokens": 2e-5, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
+             "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
     true_model = StepCostModel(truth, 64, 4)
     rng = np.random.default_rng(0)
     records = []
@@ -185,8 +185,8 @@ def test_nnls_keeps_coefficients_of_a_step_costs_scales():
     from charioteer.engine.least_squares import nnls
     from charioteer.sim.validate import plan_features
 
-    true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 4e-5, 2e-9, 1e-8])
-    identifiable = [0, 3, 4, 5, 6, 7, 8]  # prefill_step and prefill_entries are collinear here
+    true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 3e-4, 4e-5, 2e-9, 1e-8])
+    identifiable = [0, 3, 4, 5, 6, 7, 8, 9]  # prefill_step and prefill_entries are collinear here
     for seed in range(5):
         rng = np.random.default_rng(seed)
         plans = []

@@ -16,6 +16,10 @@ timing the real engine (this CPU), like the paper's simulator (profile, then fit
                                                   panel or packed GEMM, above it one plain GEMM, which
                                                   costs more per row here (on AVX2 15-35 % more per
                                                   prompt token on VALIDATION_MODEL)
+      + c_large_step * (1 if tokens > R)          ... and a fixed cost more: MKL's plain GEMM packs
+                                                  each weight on every call (17 ms a step for the fp32
+                                                  validation model on AVX-512, where R is 64 and
+                                                  SARATHI's C = 64 batches of 64-71 rows straddle it)
       + c_widen * (1 if tokens > W)               bf16 or int8 weights: a batch of more than one
                                                   row block (W, the engine's Kernels.widen_rows)
                                                   widens each weight slice once into L1 first
@@ -41,7 +45,7 @@ from charioteer.engine.least_squares import nnls
 from charioteer.sim.cost import CostModel
 
 FEATURES = ("batch", "prefill_step", "prefill_entries", "prefill_tokens", "decodes", "large_batch_tokens",
-            "widen_pass", "prefill_attention", "decode_context")
+            "large_batch", "widen_pass", "prefill_attention", "decode_context")
 STEP_COST_KIND = "charioteer-profiled-cost"  # the JSON tables' "kind": a step cost table, not a `tune` one
 SPREAD_CLASSES = ("prompt", "decode")  # steps that run a prompt chunk; decode-only steps
 SPREAD_QUANTILES = 41
@@ -60,7 +64,8 @@ def plan_features(plan, small_batch_rows: int, widen_rows: int = 0) -> list[floa
             dec += start + num
     tokens = prefill_tokens + decodes
     return [1.0, float(prefill_entries > 0), float(prefill_entries), float(prefill_tokens), float(decodes),
-            float(max(tokens - small_batch_rows, 0)), float(0 < widen_rows < tokens), pre, float(dec)]
+            float(max(tokens - small_batch_rows, 0)), float(tokens > small_batch_rows), float(0 < widen_rows < tokens),
+            pre, float(dec)]
 
 
 class StepCostModel(CostModel):
