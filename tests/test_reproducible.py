@@ -38,7 +38,7 @@ print(json.dumps({"logprobs": [[sorted(d.items()) for d in o.outputs[0].logprobs
 def test_fp32_logprobs_are_bitwise_the_same_in_three_processes_under_strict_cnr():
     # Intel's reproducibility conditions: strict CNR, and a thread count MKL and OpenMP may not lower at
     # run time (strict mode names ?gemm, not the packed GEMM the 33-64-row steps run). With MKL_CBWR
-    # alone one process of the three differed in 3 of 5 full suites, after busy tests, never alone.
+    # alone one process of the three differed in 3 of the last 6 full suites, after busy tests, never alone.
     env = dict(os.environ, MKL_CBWR="AUTO,STRICT", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE",
                PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     runs = []
