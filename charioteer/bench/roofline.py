@@ -279,24 +279,23 @@ def observe(roof: dict, flops_per_s: float) -> bool:
     print(f"roofline: observed {flops_per_s / 1e9:.1f} GFLOP/s, above the stored {dtype} peak of {old} GFLOP/s "
           "(MFU would exceed 1); measuring the peak again", file=sys.stderr)
     fresh = measure_peak_matmul_flops(device, dtype, roof.get("trials", TRIALS))
-    if flops_per_s > fresh * IMPLAUSIBLE_FACTOR:
+    plausible = flops_per_s <= fresh * IMPLAUSIBLE_FACTOR
+    raised = plausible and flops_per_s > fresh  # the observed rate becomes the peak
+    if not plausible:
         print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s is more than {IMPLAUSIBLE_FACTOR}x the fresh "
               f"{fresh / 1e9:.1f} GFLOP/s: not a {dtype} matmul rate (another precision's work, or FLOPs miscounted); "
               "the peak stays measured, and no MFU is given for rates above it", file=sys.stderr)
-        flops_per_s = 0.0  # the peak is what was measured
-        source = f"best of {roof.get('trials', TRIALS)} trials, re-measured"
-    elif flops_per_s > fresh:
+    elif raised:
         print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s still beats the fresh {fresh / 1e9:.1f} "
               "GFLOP/s and becomes the peak (a measured rate is a lower bound on the peak)", file=sys.stderr)
-        source = "an observed rate above the measured peak"
     else:
         print(f"roofline: new peak {fresh / 1e9:.1f} GFLOP/s", file=sys.stderr)
-        source = f"best of {roof.get('trials', TRIALS)} trials, re-measured"
-    best = max(fresh, flops_per_s, old * 1e9)
+    best = max(fresh, old * 1e9, flops_per_s if raised else 0.0)
     roof["peak_matmul_gflops"] = math.ceil(best / 1e8) / 10  # rounded up: the rate divided by it stays <= 1
     roof["ridge_flops_per_byte"] = _ridge(roof)
-    roof["peak_source"] = source
-    if flops_per_s > fresh:
+    roof["peak_source"] = ("an observed rate above the measured peak" if raised
+                           else f"best of {roof.get('trials', TRIALS)} trials, re-measured")
+    if raised:
         roof["peak_raised_from_gflops"] = roof.get("peak_raised_from_gflops", old)
     roof["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     roof["cached"] = False

@@ -254,8 +254,9 @@ def _validate(args, t0: float) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{report['model']}, {report['dtype']}, C = {report['chunk_size']}, B = {report['batch_cap']}, each batch's time the median of "
-          f"{report['validation_runs']} runs; cost model fitted on {report['calibration_batches']} calibration batches")
+    print(f"{report['model']}, {report['dtype']}, C = {report['chunk_size']}, B = {report['batch_cap']}, "
+          f"each batch's time the median of {report['validation_runs']} runs; cost model fitted on "
+          f"{report['calibration_batches']} calibration batches")
     print("measured completion: the sum of the batches' median times; the median of the runs' own totals beside it")
     print("| policy | batches | per-batch MAPE | repeat spread | measured (s) | run totals (s) | simulated (s) "
           "| completion error | same batch sequence |")
