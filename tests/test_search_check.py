@@ -10,18 +10,22 @@ from charioteer.cli import main
 from charioteer.sim.validate import FEATURES, SPREAD_CLASSES, StepCostModel
 
 TRUTH = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-         "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
+         "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7,
+         "after_large": 4e-3}
+TRUTH_DECAY = 0.8
 
 
 def _noisy_records(noise: float, n: int = 400, seed: int = 0):
+    """n batches in the order they ran, priced with the history term (decay TRUTH_DECAY), times noise."""
     rng = np.random.default_rng(seed)
-    exact = StepCostModel(TRUTH, 64, 4)
-    records = []
+    exact = StepCostModel(TRUTH, 64, 4, decay=TRUTH_DECAY)
+    plans = []
     for _ in range(n):
         plan = [(int(rng.integers(1, 200)), int(rng.integers(0, 500)), True) for _ in range(int(rng.integers(0, 3)))]
         plan += [(1, int(rng.integers(10, 900)), False) for _ in range(int(rng.integers(1, 12)))]
-        records.append((plan, exact.predict(plan) * float(rng.uniform(1 - noise, 1 + noise))))
-    return records
+        plans.append(plan)
+    times = exact.predict_sequence(plans) * rng.uniform(1 - noise, 1 + noise, n)
+    return list(zip(plans, times.tolist()))
 
 
 def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
@@ -31,7 +35,7 @@ def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
         assert q == sorted(q) and 0.7 < q[0] < 0.9 and 1.1 < q[-1] < 1.35  # the +-20 % it was given, about
     again = StepCostModel.from_json(fitted.to_json())
     assert again.spread == fitted.spread and again.coefs == fitted.coefs
-    plan = [(64, 0, True), (1, 300, False), (1, 120, False)]
+    plan = [(60, 0, True), (1, 300, False), (1, 120, False)]  # R rows or fewer: no history term
     draws = [again.batch_cost(plan)[0][0] for _ in range(400)]
     replay = StepCostModel.from_json(fitted.to_json())
     assert draws == [replay.batch_cost(plan)[0][0] for _ in range(400)]  # seeded
@@ -43,6 +47,28 @@ def test_a_fitted_table_carries_its_spread_and_the_simulator_draws_from_it():
     assert all(q == pytest.approx([1.0] * len(q), abs=1e-3) for q in exact.spread.values())
     for k in FEATURES:
         assert exact.coefs[k] == pytest.approx(TRUTH[k], rel=1e-3)
+    assert exact.decay == TRUTH_DECAY and StepCostModel.from_json(exact.to_json()).decay == TRUTH_DECAY
+
+
+def test_the_history_term_prices_steps_after_a_large_batch_per_replica():
+    """A batch above R rows pushes the other weight copy out of cache: the steps after it cost
+    after_large * decay ** s more. batch_cost keeps that history per model, as predict_sequence does for
+    one run, and each replica's copy (for_replica) keeps its own."""
+    model = StepCostModel(TRUTH, 64, 4, decay=TRUTH_DECAY)
+    large, small = [(100, 0, True)], [(1, 50, False)] * 4
+    plans = [small, large, small, small, small]
+    by_batch_cost = [model.batch_cost(p)[0][0] for p in plans]
+    assert by_batch_cost == pytest.approx(model.predict_sequence(plans).tolist())
+    base = model.predict(small)
+    assert by_batch_cost[0] == pytest.approx(base)  # no large batch yet
+    for s, t in enumerate(by_batch_cost[2:], start=1):
+        assert t == pytest.approx(base + TRUTH["after_large"] * TRUTH_DECAY ** s)
+    fresh, other = model.for_replica(), model.for_replica()
+    fresh.batch_cost(large)
+    assert other.batch_cost(small)[0][0] == pytest.approx(base)  # the other replica ran no large batch
+    assert fresh.batch_cost(small)[0][0] == pytest.approx(base + TRUTH["after_large"] * TRUTH_DECAY)
+    with pytest.raises(ValueError, match="decay"):
+        StepCostModel(TRUTH, 64, 4, decay=1.0)
 
 
 def test_a_bad_spread_is_refused():

@@ -72,16 +72,20 @@ def test_profiled_cost_model_fit_and_table_roundtrip():
     from charioteer.sim.validate import FEATURES, StepCostModel
 
     truth = {"batch": 2e-3, "prefill_step": 1e-3, "prefill_entries": 1e-4, "prefill_tokens": 3e-5, "decodes": 5e-5,
-             "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7}
-    true_model = StepCostModel(truth, 64, 4)
+             "large_batch_tokens": 2e-5, "large_batch": 3e-3, "widen_pass": 5e-4, "prefill_attention": 1e-8, "decode_context": 2e-7,
+             "after_large": 2e-3}
+    true_model = StepCostModel(truth, 64, 4, decay=0.7)
     rng = np.random.default_rng(0)
-    records = []
+    plans = []
     for _ in range(200):
         plan = [(int(rng.integers(1, 200)), int(rng.integers(0, 500)), True) for _ in range(int(rng.integers(0, 3)))]
         plan += [(1, int(rng.integers(10, 900)), False) for _ in range(int(rng.integers(0, 12)))]
         if plan:
-            records.append((plan, true_model.predict(plan)))
-    fitted = StepCostModel.fit(records, 64, 4)
+            plans.append(plan)
+    # two runs of the same batches: the history starts afresh with the second
+    records = list(zip(plans + plans, true_model.predict_sequence(plans).tolist() * 2))
+    fitted = StepCostModel.fit(records, 64, 4, run_starts=(0, len(plans)))
+    assert fitted.decay == 0.7
     for k in FEATURES:
         assert fitted.coefs[k] == pytest.approx(truth[k], rel=1e-3)
     again = StepCostModel.from_json(fitted.to_json(), num_stages=2)
@@ -183,10 +187,10 @@ def test_nnls_keeps_coefficients_of_a_step_costs_scales():
     import numpy as np
 
     from charioteer.engine.least_squares import nnls
-    from charioteer.sim.validate import plan_features
+    from charioteer.sim.validate import after_large_values, plan_features
 
-    true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 3e-4, 4e-5, 2e-9, 1e-8])
-    identifiable = [0, 3, 4, 5, 6, 7, 8, 9]  # prefill_step and prefill_entries are collinear here
+    true = np.array([3e-4, 2e-4, 5e-5, 2e-6, 8e-6, 1e-6, 3e-4, 4e-5, 2e-9, 1e-8, 5e-4])
+    identifiable = [0, 3, 4, 5, 6, 7, 8, 9, 10]  # prefill_step and prefill_entries are collinear here
     for seed in range(5):
         rng = np.random.default_rng(seed)
         plans = []
@@ -195,7 +199,7 @@ def test_nnls_keeps_coefficients_of_a_step_costs_scales():
             plan = [(int(rng.integers(1, 65)), int(rng.integers(0, 512)), True) for _ in range(rng.integers(0, 2))]
             plan += [(1, int(rng.integers(1, 512)), False) for _ in range(rng.integers(0, 9))]
             plans.append(plan or [(1, 7, False)])
-        a = np.array([plan_features(p, 8, 16) for p in plans])
+        a = np.array([plan_features(p, 8, 16, h) for p, h in zip(plans, after_large_values(plans, 8, 0.8))])
         b = a @ true
         w = 1.0 / b
         x = nnls(a * w[:, None], b * w)

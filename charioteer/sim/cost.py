@@ -42,6 +42,10 @@ class CostModel:
     def batch_cost(self, plan: Plan) -> tuple[list[float], float, float]:
         raise NotImplementedError
 
+    def for_replica(self) -> "CostModel":
+        """The model one replica prices its batches with: itself, unless it keeps a history of them."""
+        return self
+
 
 class FixedCostModel(CostModel):
     """Every stage takes `stage_time_s` (or `fn(plan)` if given) per batch; transfers take `p2p_s`."""

@@ -198,8 +198,9 @@ class _Pipeline:
 class _Replica:
     """One model replica: its scheduler(s), its pipeline, and the requests dispatched to it."""
 
-    def __init__(self, index: int, setup: ReplicaSetup, cluster: ClusterConfig) -> None:
+    def __init__(self, index: int, setup: ReplicaSetup, cluster: ClusterConfig, cost: CostModel) -> None:
         self.index = index
+        self.cost = cost.for_replica()  # a cost model may price a batch by the ones this replica ran before
         pp, cap = cluster.pp, setup.batch_cap
         if cluster.pp_scheduling == "virtual-engines":  # one scheduler per micro-batch slot
             self.slots = [_SchedulerSlot(setup, cap, 1, max_held=cap) for _ in range(pp)]
@@ -350,12 +351,12 @@ class _Run:
 
     def __init__(self, sim: Simulator, workload: Workload, progress) -> None:
         cluster = sim.cluster
-        self.workload, self.cost, self.progress = workload, sim.cost, progress
+        self.workload, self.progress = workload, progress
         self.pp = cluster.pp
         self.return_latency = cluster.pp_link()[1] if cluster.pp > 1 else 0.0
         self.round_robin = cluster.dispatch == "round-robin"
         self.next_replica = 0
-        self.replicas = [_Replica(i, sim.setup, cluster) for i in range(cluster.replicas)]
+        self.replicas = [_Replica(i, sim.setup, cluster, sim.cost) for i in range(cluster.replicas)]
         self.requests = _make_requests(workload)
         late_after_s, self.max_late = sim.ttft_limit or (float("inf"), 0)
         slow_gap_s, self.max_slow_gaps = sim.tbt_limit or (float("inf"), 0)
@@ -422,7 +423,7 @@ class _Run:
     def launch(self, replica: _Replica, slot: _SchedulerSlot, batch: Batch, now: float) -> None:
         """Price a planned batch, run it through the replica's stages and schedule its return."""
         rows = batch.plan()
-        times, hop, flops = self.cost.batch_cost(rows)
+        times, hop, flops = replica.cost.batch_cost(rows)
         replica.flops += flops
         has_prefill = self.tally.issued(replica.index, batch, rows)
         back, wait, by_class, idle = replica.pipeline.advance(now, times, hop, self.return_latency, has_prefill)
