@@ -83,6 +83,16 @@ def plan_features(plan, small_batch_rows: int, widen_rows: int = 0, after_large:
             pre, float(dec), after_large]
 
 
+def _after_large(since: int | None, decay: float) -> float:
+    """The after_large feature s steps (`since`) after a batch above R (None: none yet)."""
+    return decay ** since if since is not None and decay > 0 else 0.0
+
+
+def _steps_after(plan, since: int | None, small_batch_rows: int) -> int | None:
+    """`since` for the batch after `plan`."""
+    return 1 if plan_tokens(plan) > small_batch_rows else (since + 1 if since is not None else None)
+
+
 def after_large_values(plans, small_batch_rows: int, decay: float, run_starts=(0,)) -> list[float]:
     """The after_large feature of each batch of a sequence (see the module docstring): decay ** s, s the
     steps since the last batch of more than small_batch_rows rows; 0 before any and from each run start."""
@@ -90,8 +100,8 @@ def after_large_values(plans, small_batch_rows: int, decay: float, run_starts=(0
     for i, plan in enumerate(plans):
         if i in run_starts:
             since = None
-        values.append(decay ** since if since is not None and decay > 0 else 0.0)
-        since = 1 if plan_tokens(plan) > small_batch_rows else (since + 1 if since is not None else None)
+        values.append(_after_large(since, decay))
+        since = _steps_after(plan, since, small_batch_rows)
     return values
 
 
@@ -138,7 +148,7 @@ class StepCostModel(CostModel):
         plans, b = [p for p, _ in records], np.array([t for _, t in records])
         # Batches span 100x in time: weighting rows by 1 / t would fit relative errors, by 1 absolute ones.
         # 1 / sqrt(t) keeps the few long prompt batches, most of request-level's time, from being fitted
-        # a few % short as a group (on saved bf16 runs: its completion error 3.5 -> 2.3 %, per batch the same).
+        # a few % short as a group (on saved bf16 runs: its completion error 4.0 -> 3.1 %, per batch the same).
         w = 1.0 / np.sqrt(np.maximum(b, 1e-6))
         best = None
         for decay in DECAYS:
@@ -180,10 +190,8 @@ class StepCostModel(CostModel):
         return np.array([self.predict(p, h) for p, h in zip(plans, history)])
 
     def batch_cost(self, plan):
-        since = self._since_large
-        after = self.decay ** since if since is not None and self.decay > 0 else 0.0
-        self._since_large = 1 if plan_tokens(plan) > self.small_batch_rows else (since + 1 if since is not None else None)
-        f = plan_features(plan, self.small_batch_rows, self.widen_rows, after)
+        f = plan_features(plan, self.small_batch_rows, self.widen_rows, _after_large(self._since_large, self.decay))
+        self._since_large = _steps_after(plan, self._since_large, self.small_batch_rows)
         t = sum(c * v for c, v in zip(self._c, f))
         if self.spread is not None:
             q = self._spread[0 if f[1] else 1]
@@ -217,8 +225,8 @@ class StepCostModel(CostModel):
 # here, so every step streams them from memory, as a deployed model's do. The 4-layer model of hidden
 # 512 (SMALL_VALIDATION_MODEL: 50 MB in fp32) stays in a Xeon's L3 (a single thread there reads 64 MB
 # at 28 GB/s, 128 MB at 12.5), and a decode step after a large prefill then finds them evicted and
-# runs up to 2x slower for several steps: a history a per-batch cost model cannot price (6-14 % per
-# batch there, 2-5 % with this one; charioteer/sim/README.md).
+# runs up to 2x slower for several steps (6-14 % per batch there, 2-5 % with this one, both before
+# the after_large term, which prices this model's milder version of it; charioteer/sim/README.md).
 VALIDATION_MODEL = "synthetic:vocab=1024,hidden=1024,intermediate=2816,layers=6,heads=8,context=2048"
 SMALL_VALIDATION_MODEL = "synthetic:vocab=1024,hidden=512,intermediate=1376,layers=4,heads=8,context=2048"
 POLICIES = ("sarathi", "orca", "request-level", "vllm")
