@@ -131,7 +131,7 @@ class StepCostModel(CostModel):
         self.small_batch_rows, self.widen_rows, self.decay = small_batch_rows, widen_rows, float(decay)
         self.num_stages = num_stages
         self.source = source
-        self.spread, self.seed = spread, seed
+        self.spread = spread
         self._since_large = None  # steps since the last batch priced by batch_cost was above small_batch_rows
         if spread is not None:
             if set(spread) != set(SPREAD_CLASSES) or any(len(q) < 2 for q in spread.values()):
@@ -177,7 +177,7 @@ class StepCostModel(CostModel):
 
     def for_replica(self) -> "StepCostModel":
         """A copy with a history of its own (and, with a spread, draws of its own), for one replica."""
-        seed = int(self._rng.integers(2**31)) if self.spread is not None else self.seed
+        seed = int(self._rng.integers(2**31)) if self.spread is not None else 0  # no spread: nothing drawn
         return StepCostModel(self.coefs, self.small_batch_rows, self.widen_rows, self.num_stages, self.source,
                              self.spread, seed, self.decay)
 
