@@ -1,4 +1,4 @@
-"""The batch-invariant mode gives the same fp32 bits from process to process, at any thread count.
+"""The batch-invariant mode gives the same fp32 bits from process to process, with 1 or 2 threads.
 
 The default mode does not promise that (README "Exactness"): MKL's GEMMs and SDPA may block their
 sums differently from one process to another. MKL's strict CNR mode (MKL_CBWR=AUTO,STRICT with
