@@ -440,10 +440,11 @@ def test_each_build_gives_the_fallbacks_greedy_outputs(fallback_outputs, isa):
 def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch():
     """amx_linear: bf16 x @ w.T with fp32 sums (one order apart from torch's), the bf16 output that
     result rounded; x read in place (strided rows too) or copied for a K that does not tile; one or two
-    row tiles per pass and one or two column blocks per pair (n = 96, 100, 48); each row's bits the
-    same in a batch of any size."""
+    row tiles per pass and one or two column blocks per pair (n = 96, 100, 48); a K long enough to be
+    run in chunks from 64 rows (k = 9000: x's rows and a pair's weight past the L2 budget); each row's
+    bits the same in a batch of any size (one row is one pass over all of K)."""
     torch.manual_seed(0)
-    for n, k in ((96, 128), (100, 70), (48, 576)):
+    for n, k in ((96, 128), (100, 70), (48, 576), (48, 9000)):
         w = torch.randn(n, k).bfloat16()
         packed = cpu_kernels.amx_pack(w)
         assert packed.shape == (-(-n // 16), -(-k // 32), 16, 32)

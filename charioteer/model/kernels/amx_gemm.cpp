@@ -50,6 +50,12 @@ constexpr int64_t kTileBytes = kTileElems * 2;  // a bf16 tile: 16 rows of 64 by
 // slower (probably: the prefetches take fill buffers the pass's own tile loads from L2 need; not checked).
 constexpr int64_t kNextPairLines = 3;
 
+// Bytes of x's rows and a pair's weight that a K chunk may keep in L2 (2 MB a core here) while
+// several passes run it. A LLaMA-7B layer's down projection (K = 11008) at 64 rows needs 2.1 MB, so
+// its later passes found the pair's weight gone; in two chunks it ran 1.23x faster (4.47 against
+// 5.29 ms), at 128 rows in three 1.31x. A budget of 1 MB also split K = 4096 at 128 rows: slower.
+constexpr int64_t kL2Budget = 3 << 19;
+
 // A (tiles 4, 5), B (6, 7) and C (0-3) of a pass over `rows0` + `rows1` rows (rows1 0: one row tile).
 void configure(int64_t rows0, int64_t rows1) {
   uint8_t rows[8] = {};
@@ -63,11 +69,19 @@ void configure(int64_t rows0, int64_t rows1) {
 // the two B tiles of k-step k (column blocks 0 and 1, 64-byte rows), fetching or making them.
 template <int RT, int CT, typename BTiles>
 __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a_tile, int64_t a_stride, int64_t kb,
-                                                         const BTiles& b_tiles, float* c) {
-  _tile_zero(0);
-  if (CT > 1) _tile_zero(1);
-  if (RT > 1) _tile_zero(2);
-  if (RT > 1 && CT > 1) _tile_zero(3);
+                                                         const BTiles& b_tiles, float* c, bool accumulate = false) {
+  constexpr int64_t c_stride = kPairCols * sizeof(float);
+  if (accumulate) {  // C so far, as an earlier K chunk stored it
+    _tile_loadd(0, c, c_stride);
+    if (CT > 1) _tile_loadd(1, c + kTileN, c_stride);
+    if (RT > 1) _tile_loadd(2, c + kTileRows * kPairCols, c_stride);
+    if (RT > 1 && CT > 1) _tile_loadd(3, c + kTileRows * kPairCols + kTileN, c_stride);
+  } else {
+    _tile_zero(0);
+    if (CT > 1) _tile_zero(1);
+    if (RT > 1) _tile_zero(2);
+    if (RT > 1 && CT > 1) _tile_zero(3);
+  }
   for (int64_t k = 0; k < kb; ++k) {
     const auto [b0, b1] = b_tiles(k);
     const char* ak = a + k * 64;
@@ -131,15 +145,25 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_steps(const in
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
 // (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column
-// blocks runs every 32-row pass in turn. store(r0, rows, j, cols, c) writes a pass's block of C (rows
-// x cols, 32 floats a row) for rows r0.. and columns from block j on.
+// blocks runs every 32-row pass in turn (K in chunks where x's rows and the pair outgrow kL2Budget,
+// every pass over each chunk, C kept between chunks: the same sums in the same order).
+// store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows r0..
+// and columns from block j on.
 template <bool kInt8Weights, typename Store>
 void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, int64_t nb, int64_t kb, int64_t k,
                int64_t n, const Store& store) {
   const int64_t passes = (m + kPassRows - 1) / kPassRows, a_tile = kTileRows * a_stride;
   const int64_t block_bytes = kb * kTileBytes;  // one column block's tiles in bf16
+  // bf16 weights with several passes: K in chunks whose x rows and pair weight fit the L2 budget, so
+  // the later passes find the pair's weight still there (at 64 rows and K = 11008 they did not)
+  const int64_t step_bytes = passes * kPassRows * kTileK * 2 + 2 * kTileBytes;
+  const int64_t chunks =
+      kInt8Weights || passes == 1 ? 1 : std::max<int64_t>(1, (kb * step_bytes + kL2Budget - 1) / kL2Budget);
+  const int64_t chunk_steps = (kb + chunks - 1) / chunks;
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t first, int64_t last) {
-    alignas(64) float c[kPassRows * kPairCols];
+    thread_local std::vector<float> cbuf;  // each pass's block of C
+    if (static_cast<int64_t>(cbuf.size()) < passes * kPassRows * kPairCols)
+      cbuf.resize(passes * kPassRows * kPairCols);
     alignas(64) uint16_t ring[4 * kTileElems];  // int8 weights in one pass: two k-steps' B tiles in turn
     thread_local std::vector<uint16_t> widened;  // int8 weights: the panel in bf16 tiles (L2-sized)
     if (kInt8Weights && passes > 1 && static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems)
@@ -158,58 +182,63 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
         b0 = static_cast<const char*>(packed) + j * block_bytes;
       }
       const int64_t cols = std::min(kPairCols, n - j * kTileN);
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t r0 = pass * kPassRows, rows = std::min(kPassRows, m - r0);
-        if (rows != configured) {
-          configure(std::min(rows, kTileRows), std::max<int64_t>(rows - kTileRows, 0));
-          configured = rows;
-        }
-        const char* arows = a + r0 * a_stride;
-        const auto run = [&](const auto& b_tiles) {
-          if (rows > kTileRows) {
-            if (blocks == 2) block<2, 2>(arows, a_tile, a_stride, kb, b_tiles, c);
-            else block<2, 1>(arows, a_tile, a_stride, kb, b_tiles, c);
-          } else {
-            if (blocks == 2) block<1, 2>(arows, a_tile, a_stride, kb, b_tiles, c);
-            else block<1, 1>(arows, a_tile, a_stride, kb, b_tiles, c);
+      for (int64_t t0 = 0; t0 < kb; t0 += chunk_steps) {
+        const int64_t steps = std::min(chunk_steps, kb - t0);
+        const bool last_chunk = t0 + steps == kb;
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const int64_t r0 = pass * kPassRows, rows = std::min(kPassRows, m - r0);
+          float* c = cbuf.data() + pass * kPassRows * kPairCols;
+          if (rows != configured) {
+            configure(std::min(rows, kTileRows), std::max<int64_t>(rows - kTileRows, 0));
+            configured = rows;
           }
-        };
-        const auto stored = [&](int64_t t) {
-          return std::pair(b0 + t * kTileBytes, b0 + block_bytes + t * kTileBytes);
-        };
-        if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
-          run([&](int64_t t) {
-            uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
-            widen_steps(panel, k, t, t + 1, slot, slot + kTileElems);
-            return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
-          });
-        } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
-          run([&](int64_t t) {
-            const char* ahead0 = b0 + (t + kPrefetchTiles) * kTileBytes;
-            const char* ahead1 = ahead0 + block_bytes;
-            for (int line = 0; line < 16; ++line) {
-              _mm_prefetch(ahead0 + 64 * line, _MM_HINT_T0);
-              if (blocks > 1) _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
+          const char* arows = a + r0 * a_stride + t0 * 64;
+          const auto run = [&](const auto& b_tiles) {
+            if (rows > kTileRows) {
+              if (blocks == 2) block<2, 2>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              else block<2, 1>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+            } else {
+              if (blocks == 2) block<1, 2>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              else block<1, 1>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
             }
-            return stored(t);
-          });
-        } else if (!kInt8Weights && pair + 1 < last) {  // later passes read the pair from L2: start the next
-          const char* next0 = static_cast<const char*>(packed) + (j + 2) * block_bytes;  // pair's stream meanwhile
-          const bool next_two = nb - j - 2 > 1;
-          run([&](int64_t t) {
-            for (int64_t line = 0; line < kNextPairLines; ++line) {
-              const int64_t at = (((pass - 1) * kb + t) * kNextPairLines + line) * 64;
-              if (at < block_bytes) {
-                _mm_prefetch(next0 + at, _MM_HINT_T1);
-                if (next_two) _mm_prefetch(next0 + block_bytes + at, _MM_HINT_T1);
+          };
+          const auto stored = [&](int64_t t) {
+            return std::pair(b0 + (t0 + t) * kTileBytes, b0 + block_bytes + (t0 + t) * kTileBytes);
+          };
+          if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
+            run([&](int64_t t) {
+              uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
+              widen_steps(panel, k, t, t + 1, slot, slot + kTileElems);
+              return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
+            });
+          } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
+            run([&](int64_t t) {
+              const char* ahead0 = b0 + (t0 + t + kPrefetchTiles) * kTileBytes;
+              const char* ahead1 = ahead0 + block_bytes;
+              for (int line = 0; line < 16; ++line) {
+                _mm_prefetch(ahead0 + 64 * line, _MM_HINT_T0);
+                if (blocks > 1) _mm_prefetch(ahead1 + 64 * line, _MM_HINT_T0);
               }
-            }
-            return stored(t);
-          });
-        } else {  // widened weights, and the thread's last pair, are in L2
-          run(stored);
+              return stored(t);
+            });
+          } else if (!kInt8Weights && last_chunk && pair + 1 < last) {  // later passes read the pair from L2:
+            const char* next0 = static_cast<const char*>(packed) + (j + 2) * block_bytes;  // start the next pair
+            const bool next_two = nb - j - 2 > 1;
+            run([&](int64_t t) {
+              for (int64_t line = 0; line < kNextPairLines; ++line) {
+                const int64_t at = (((pass - 1) * steps + t) * kNextPairLines + line) * 64;
+                if (at < block_bytes) {
+                  _mm_prefetch(next0 + at, _MM_HINT_T1);
+                  if (next_two) _mm_prefetch(next0 + block_bytes + at, _MM_HINT_T1);
+                }
+              }
+              return stored(t);
+            });
+          } else {  // widened weights, a chunk before the last, and the thread's last pair: in L2
+            run(stored);
+          }
+          if (last_chunk) store(r0, rows, j, cols, c);
         }
-        store(r0, rows, j, cols, c);
       }
     }
     release_tiles();
