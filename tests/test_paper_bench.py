@@ -129,6 +129,15 @@ def test_e2e_and_decode_speedup_json_contracts(capsys):
         assert r["hybrid_mfu_spread"][1] <= 1 and r["baseline_mfu_spread"][1] <= 1
 
 
+def test_e2e_prints_its_table_without_request_level(capsys):
+    # no gains without the baseline, so no peaks either: the table still prints, and says why
+    rc = main(["bench", "e2e", "--model", "synthetic:tiny", "--chunk-sizes", "16", "--pd-ratios", "2",
+               "--max-num-seqs", "4", "--seq-len", "64", "--num-requests", "6", "--repeats", "2", "--policies", "sarathi"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "sarathi" in out and "none: the gains are against request-level, which --policies left out" in out
+
+
 def test_profile_json(capsys):
     rc = main(["profile", "--model", "synthetic:tiny", "--json", "--seq-len", "32", "--repeats", "2"])
     assert rc == 0

@@ -156,7 +156,7 @@ def run_meta(args, setup: ex.Setup, roof: dict) -> dict:
 def format_table(rows: list[dict], columns: list[str]) -> str:
     """A plain-text table; a column with a spread (`x_spread` in the row) prints as "median [min, max]"."""
     cells = [[cell(r, col) for col in columns] for r in rows]
-    widths = [max(len(col), *(len(row[i]) for row in cells)) for i, col in enumerate(columns)]
+    widths = [max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(columns)]
     lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)

@@ -85,7 +85,8 @@ def format_e2e(result: dict) -> str:
              format_table(result["rows"], E2E_COLUMNS), "",
              "P:D of the peak against the balanced point C/(B-1):",
              format_table(result["peaks"], ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level",
-                                            "peak_within_30pct"])]
+                                            "peak_within_30pct"]) if result["peaks"] else
+             "  none: the gains are against request-level, which --policies left out"]
     breakdown = [r for r in result["rows"] if "ops_s" in r and r["policy"] in ("request-level", "sarathi")]
     if breakdown:
         lines += ["", "Figure 10: seconds per operation over the whole run (medians), at the balanced P:D points"]
