@@ -64,14 +64,15 @@ void configure(int64_t rows0, int64_t rows1) {
   configure_tiles(rows);
 }
 
-// C[RT row tiles x CT column blocks], stored to c (32 floats a row), = A . B over kb k-steps. A's
+// C[RT row tiles x CT column blocks], stored to c (32 floats a row), = A . B over kb k-steps, added
+// to the C that c holds with `accumulate` (an earlier K chunk's), else from zero. A's
 // second row tile starts a_tile bytes after its first, rows a_stride bytes apart; b_tiles(k) gives
 // the two B tiles of k-step k (column blocks 0 and 1, 64-byte rows), fetching or making them.
 template <int RT, int CT, typename BTiles>
 __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a_tile, int64_t a_stride, int64_t kb,
-                                                         const BTiles& b_tiles, float* c, bool accumulate = false) {
+                                                         const BTiles& b_tiles, float* c, bool accumulate) {
   constexpr int64_t c_stride = kPairCols * sizeof(float);
-  if (accumulate) {  // C so far, as an earlier K chunk stored it
+  if (accumulate) {
     _tile_loadd(0, c, c_stride);
     if (CT > 1) _tile_loadd(1, c + kTileN, c_stride);
     if (RT > 1) _tile_loadd(2, c + kTileRows * kPairCols, c_stride);
@@ -208,7 +209,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
           if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
             run([&](int64_t t) {
               uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
-              widen_steps(panel, k, t, t + 1, slot, slot + kTileElems);
+              widen_steps(panel, k, t0 + t, t0 + t + 1, slot, slot + kTileElems);
               return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
             });
           } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
