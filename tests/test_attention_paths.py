@@ -1,6 +1,5 @@
 """Attention on contiguous cache rows (no copy) gives what the gathered-copy path gives."""
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -80,27 +79,35 @@ class _CountingRunner:
 @pytest.mark.parametrize("kv_policy, quantization, dtype", [("reserve", None, "float32"), ("paged", None, "float32"),
                                                            ("paged", "int8", "float32"), ("paged", None, "bfloat16"),
                                                            ("paged", None, "bfloat16-unpacked"),
-                                                           ("paged", None, "bfloat16-amx")])
+                                                           ("paged", None, "bfloat16-amx"),
+                                                           ("paged", None, "bfloat16-avx512bf16")])
 def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_policy, quantization, dtype,
                                                               monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
     if dtype.startswith("bfloat16"):  # widened, with oneDNN's bf16 GEMM from 2 rows, on any CPU: both GEMM paths run
         if dtype == "bfloat16-amx" and not cpu_kernels.amx_available():
             pytest.skip(f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+        if dtype == "bfloat16-avx512bf16" and cpu_kernels.avx512_bf16_unavailable_reason() is not None:
+            pytest.skip(f"AVX512-BF16 kernel: {cpu_kernels.avx512_bf16_unavailable_reason()}")
         monkeypatch.setenv("CHARIOTEER_ONEDNN_PACK", "0" if dtype == "bfloat16-unpacked" else "1")
-        # one row on the AMX tile kernel (its own variant only), else on the panel kernel
+        # one row on a tile-order kernel (AMX or AVX512-BF16, in its own variant only), else on the panel kernel
         monkeypatch.setenv("CHARIOTEER_AMX", "1" if dtype == "bfloat16-amx" else "0")
+        monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "1" if dtype == "bfloat16-avx512bf16" else "0")
+        tile_kernel = {"bfloat16-amx": "amx", "bfloat16-avx512bf16": "avx512_bf16"}.get(dtype)
         dtype = "bfloat16"
         monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
         monkeypatch.setattr(llama, "native_bf16_gemm", lambda device: True)
         monkeypatch.setattr(llama, "NATIVE_BF16_MIN_ROWS", 2)
         monkeypatch.setattr(llama, "AMX_MAX_ROWS", 1)
+        monkeypatch.setattr(llama, "AVX512_BF16_MAX_ROWS", 1)
+    else:
+        tile_kernel = None
     # no prefix caching: the second run must compute the same prompts again, not start on cached blocks
     llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy, enable_prefix_caching=False,
               quantization=quantization, dtype=dtype)
     model = llm.engine.runner.model
     assert model.kernels.native_bf16_rows == (2 if dtype == "bfloat16" else 0)
-    assert model.kernels.amx_tiles == (os.environ.get("CHARIOTEER_AMX") == "1")
+    assert model.kernels.tile_kernel == tile_kernel
     model.decode_layers = counting = _CountingRunner(model.decode_layers)
     one_call = llm.generate(_prompts(), params)
     assert counting.calls > 0, "decode-only steps must take the one-call path"

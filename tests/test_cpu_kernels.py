@@ -436,13 +436,23 @@ def test_each_build_gives_the_fallbacks_greedy_outputs(fallback_outputs, isa):
         assert a == pytest.approx(b, abs=1e-3)
 
 
-@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
-def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch():
-    """amx_linear: bf16 x @ w.T with fp32 sums (one order apart from torch's), the bf16 output that
-    result rounded; x read in place (strided rows too) or copied for a K that does not tile; one or two
-    row tiles per pass and one or two column blocks per pair (n = 96, 100, 48); a K long enough to be
-    run in chunks from 64 rows (k = 9000: x's rows and a pair's weight past the L2 budget); each row's
-    bits the same in a batch of any size (one row is one pass over all of K)."""
+def _tile_kernel(name: str):
+    """cpu_kernels' tile-order bf16 GEMM `name`, or a skip where it does not run here."""
+    reason = cpu_kernels.amx_unavailable_reason() if name == "amx" else cpu_kernels.avx512_bf16_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    return cpu_kernels.amx_linear if name == "amx" else cpu_kernels.avx512_bf16_linear
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+def test_tile_order_bf16_gemms_are_the_bf16_product_and_a_row_does_not_depend_on_its_batch(kernel):
+    """amx_linear and avx512_bf16_linear: bf16 x @ w.T with fp32 sums (one order apart from torch's),
+    the bf16 output that result rounded; x read in place (strided rows too) or copied for a K that
+    does not tile; AMX's one or two row tiles per pass, AVX512-BF16's row blocks of 8 and their
+    remainders, one or two column blocks per pair (n = 96, 100, 48); a K long enough for AMX to run it
+    in chunks from 64 rows (k = 9000: x's rows and a pair's weight past the L2 budget); each row's
+    bits the same in a batch of any size."""
+    linear = _tile_kernel(kernel)
     torch.manual_seed(0)
     for n, k in ((96, 128), (100, 70), (48, 576), (48, 9000)):
         w = torch.randn(n, k).bfloat16()
@@ -454,14 +464,15 @@ def test_amx_linear_is_the_bf16_product_and_a_row_does_not_depend_on_its_batch()
             # contiguous, and rows k + 16 apart
             for strided, x in ((False, wide[:m, :k].contiguous()), (True, wide[:m, 8:8 + k])):
                 reference = x.float() @ w.float().T
-                out = cpu_kernels.amx_linear(x, packed, n)
-                torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)  # |out| ~ sqrt(k)
-                assert torch.equal(cpu_kernels.amx_linear(x, packed, n, bf16_output=True), out.bfloat16())
+                out = linear(x, packed, n)
+                # |out| ~ sqrt(k); AVX512-BF16 sums k in one sequence, so its error grows with k
+                torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * max(1, k / 1024))
+                assert torch.equal(linear(x, packed, n, bf16_output=True), out.bfloat16())
                 for i in range(m):
-                    row = alone.setdefault((i, strided), cpu_kernels.amx_linear(x[i:i + 1], packed, n))
+                    row = alone.setdefault((i, strided), linear(x[i:i + 1], packed, n))
                     assert torch.equal(out[i], row[0]), (n, k, m, i)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        cpu_kernels.amx_linear(torch.randn(4, 64).bfloat16(), packed, 48)
+        linear(torch.randn(4, 64).bfloat16(), packed, 48)
 
 
 amx_int8 = pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
@@ -563,7 +574,7 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
     monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
     kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
-    assert kernels.amx_tiles and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
+    assert kernels.tile_kernel == "amx" and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
     # prompt attention on the tiles: by default only where query heads share their KV heads (3 or more)
     assert not kernels.amx_attention
     grouped = dataclasses.replace(config, num_heads=3, hidden_size=192)
@@ -578,17 +589,52 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.delenv("CHARIOTEER_AMX_ATTENTION")
     assert kernels.small_batch_rows(quantized=False) == AMX_MAX_ROWS and kernels.widen_rows(quantized=False) == 0
     w = torch.randn(96, 128).bfloat16()
-    lin = NarrowLinear(w, None, kernels.panel_rows, kernels.native_bf16_rows, amx_tiles=True)
+    lin = NarrowLinear(w, None, kernels.panel_rows, kernels.native_bf16_rows, tile_kernel="amx")
     small, large = torch.randn(AMX_MAX_ROWS, 128), torch.randn(AMX_MAX_ROWS + 1, 128)
     assert torch.equal(lin(small), cpu_kernels.amx_linear(small.bfloat16(), lin.panels, 96).bfloat16().float())
     torch.testing.assert_close(lin(large), torch.nn.functional.linear(large.bfloat16(), w).float(),
                                rtol=2 ** -7, atol=1e-6)
     with pytest.raises(ValueError, match="give native_rows"):
-        NarrowLinear(w, None, kernels.panel_rows, amx_tiles=True)
+        NarrowLinear(w, None, kernels.panel_rows, tile_kernel="amx")
     monkeypatch.setenv("CHARIOTEER_AMX", "0")
+    monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "0")
     assert cpu_kernels.amx_unavailable_reason() == "disabled by CHARIOTEER_AMX=0"
     off = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
-    assert not off.amx_tiles and not off.amx_attention and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS
+    assert off.tile_kernel is None and not off.amx_attention and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS
+
+
+@pytest.mark.skipif(cpu_kernels.avx512_bf16_unavailable_reason() is not None,
+                    reason=f"AVX512-BF16 kernel: {cpu_kernels.avx512_bf16_unavailable_reason()}")
+def test_widened_bf16_runs_avx512_bf16_below_torchs_gemm_without_amx_and_its_switch_turns_it_off(monkeypatch):
+    """Where AMX does not run (here forced off), AVX512-BF16's kernel takes the rows below oneDNN's
+    GEMM on the weight in tile order; CHARIOTEER_AVX512_BF16=0 leaves them on the panel kernel."""
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import AVX512_BF16_MAX_ROWS, NATIVE_BF16_MIN_ROWS, Kernels, NarrowLinear
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    monkeypatch.setenv("CHARIOTEER_BF16_COMPUTE", "widened")
+    monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
+    monkeypatch.setenv("CHARIOTEER_AMX", "0")
+    kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
+    assert kernels.tile_kernel == "avx512_bf16" and kernels.native_bf16_rows == AVX512_BF16_MAX_ROWS + 1
+    assert not kernels.amx_attention and kernels.widen_rows(quantized=False) == 0
+    w = torch.randn(96, 128).bfloat16()
+    lin = NarrowLinear(w, None, kernels.panel_rows, kernels.native_bf16_rows, tile_kernel="avx512_bf16")
+    small, large = torch.randn(AVX512_BF16_MAX_ROWS, 128), torch.randn(AVX512_BF16_MAX_ROWS + 1, 128)
+    expected = cpu_kernels.avx512_bf16_linear(small.bfloat16(), lin.panels, 96).bfloat16().float()
+    assert torch.equal(lin(small), expected)
+    torch.testing.assert_close(lin(large), torch.nn.functional.linear(large.bfloat16(), w).float(),
+                               rtol=2 ** -7, atol=1e-6)
+    monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "0")
+    assert cpu_kernels.avx512_bf16_unavailable_reason() == "disabled by CHARIOTEER_AVX512_BF16=0"
+    monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "1")
+    assert "avx512 build only" in cpu_kernels.avx512_bf16_unavailable_reason(isa="avx2")
+    monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "0")
+    off = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
+    assert off.tile_kernel is None and off.native_bf16_rows == NATIVE_BF16_MIN_ROWS
+    with pytest.raises(ValueError, match="none of"):
+        dataclasses.replace(off, tile_kernel="tiles")
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -424,6 +424,10 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
         out.append(timed("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
                          lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
                          element_bytes=2, compute="bfloat16"))
+    if device.type == "cpu" and cpu_kernels.avx512_bf16_unavailable_reason() is None:
+        out.append(timed("avx512-bf16 bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
+                         lambda x, p, w: cpu_kernels.avx512_bf16_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
+                         element_bytes=2, compute="bfloat16"))
     for row in out:
         row["rows"] = rows
     return out

@@ -57,7 +57,7 @@ HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / name for name in
             ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp",
-             "amx_gemm.cpp", "amx_attention.cpp")]
+             "amx_gemm.cpp", "amx_attention.cpp", "avx512_bf16_gemm.cpp")]
 _HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h", "amx_tiles.h")]
 # Where builds are cached, read once at import: a process that later points XDG_CACHE_HOME elsewhere
 # (the tests do, to keep a roofline cache private) must not rebuild the kernels there (2-3 minutes).
@@ -281,7 +281,7 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
                   ffn_norm: list[torch.Tensor], gate_up: list[torch.Tensor], down: list[torch.Tensor], *, heads: int,
                   kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
                   weight_scales: list[torch.Tensor] | None = None, plain_weights: list[torch.Tensor] | None = None,
-                  native_rows: int = 0, isa: str | None = None):
+                  native_rows: int = 0, amx_tiles: bool = False, isa: str | None = None):
     """A runner of every layer for decode-only batches, on the kernels above in one C++ call.
 
     Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
@@ -289,13 +289,14 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     column scales (QKV, O, gate/up, down), layer after layer, and a batch of `native_rows` rows or
     more (0: none) runs `amx_linear_int8` on the panels. With bf16 weights, `plain_weights` may
     hold the four unpacked in the same order: a batch of `native_rows` rows or more then rounds its
-    input to bf16 for torch's bf16 GEMM (AMX) instead of the panels; smaller ones run the panels, or
-    `amx_linear` where the weights were packed by `amx_pack` instead. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
+    input to bf16 for torch's bf16 GEMM instead of the panels; smaller ones run the panels, or where
+    the weights were packed by `amx_pack` instead, `amx_linear` with `amx_tiles`, else
+    `avx512_bf16_linear`. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
     lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
     [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
     """
     return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
-                                      plain_weights or [], native_rows, heads, kv_heads, head_dim, intermediate, eps,
+                                      plain_weights or [], native_rows, amx_tiles, heads, kv_heads, head_dim, intermediate, eps,
                                       scale)
 
 
@@ -347,6 +348,29 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool 
     x alone. Faster than oneDNN's bf16 GEMM up to about 128 rows (`charioteer bench roofline
     --decode-stream --dtype bfloat16 --rows N`), which is where the model uses it (llama.AMX_MAX_ROWS)."""
     return _kernels(isa).amx_linear(x, packed, n, bf16_output)
+
+
+def avx512_bf16_unavailable_reason(isa: str | None = None) -> str | None:
+    """None when `avx512_bf16_linear` runs here (the avx512 build, a CPU with AVX512-BF16, and
+    CHARIOTEER_AVX512_BF16 is not 0), else why not."""
+    if os.environ.get("CHARIOTEER_AVX512_BF16", "1") == "0":
+        return "disabled by CHARIOTEER_AVX512_BF16=0"
+    isa = isa or chosen_isa()
+    if isa != "avx512":
+        return f"it is in the avx512 build only, and the kernels here are {isa or 'none'}"
+    cpu = cpu_flags()
+    if not cpu or "avx512_bf16" not in cpu:
+        return "the CPU lacks avx512_bf16"
+    return None
+
+
+def avx512_bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool = False,
+                       isa: str | None = None) -> torch.Tensor:
+    """`amx_linear`'s product on the same packed weight (`amx_pack`) with AVX512-BF16's vdpbf16ps, for
+    CPUs without AMX tiles: bf16 pairs multiplied and summed in fp32, k in order, so a row's result
+    depends on its own row of x alone. Faster than oneDNN's bf16 GEMM on such CPUs up to
+    llama.AVX512_BF16_MAX_ROWS rows, which is where the model uses it."""
+    return _kernels(isa).avx512_bf16_linear(x, packed, n, bf16_output)
 
 
 def amx_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,

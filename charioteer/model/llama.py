@@ -156,6 +156,19 @@ NATIVE_BF16_MIN_ROWS = 8
 # 1.11x [0.89, 1.36] at 128, 0.91x at 192 and 0.95x at 256; one LLaMA-7B layer 1.17x at 1 row,
 # 1.30-1.37x at 16-64, 1.24x [1.18, 2.30] at 128, 1.04x at 192 and 0.94x at 256.
 AMX_MAX_ROWS = 128
+# Where the CPU has AVX512-BF16 but no AMX tiles (Zen 4), widened bf16 runs cpu_kernels.avx512_bf16_linear for
+# 1 to this many rows, in place of both the panel kernel and oneDNN, and oneDNN's GEMM above. On a Zen 4,
+# 2 threads, weights out of cache, 5 interleaved rounds (oneDNN's time over this kernel's, median):
+# SmolLM2's 30 layers 2.1x at 1 row, 1.45x at 8, 1.21x at 16, 1.09x at 32, 1.06x at 192, 1.04x at 256
+# and 0.93x at 512; one LLaMA-7B layer 1.31x at 1, 1.09x at 8, 0.99x at 16, 1.07x at 32 and 1.00-1.03x
+# from 64 to 256. Against the panel kernel on the weight widened to fp32, 1.04-1.19x at 1 to 4 rows.
+AVX512_BF16_MAX_ROWS = 256
+TILE_KERNELS = (None, "amx", "avx512_bf16")  # Kernels.tile_kernel: the bf16 kernels on amx_pack's layout
+
+
+def tile_linear(kernel: str):
+    """The function of a Kernels.tile_kernel: (x bf16, packed, n, bf16_output=) -> x @ w.T."""
+    return {"amx": cpu_kernels.amx_linear, "avx512_bf16": cpu_kernels.avx512_bf16_linear}[kernel]
 # Rows from which int8 weights run on AMX tiles (cpu_kernels.amx_linear_int8), fewer on the panel kernel.
 # Against the panel kernel (fp32 activations) on a Xeon with AMX, 2 threads, weights out of cache, 9
 # interleaved rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32;
@@ -193,18 +206,18 @@ class NarrowLinear:
     `native_rows` (bf16 weights): from this many rows, x rounded to bf16 goes through oneDNN's bf16
     GEMM instead (AMX) on the weight packed for it, its product widened back (kept bf16 with
     `bf16_output`); fewer rows round as that GEMM does (0: never), on the panel kernel, or with
-    `amx_tiles` on cpu_kernels.amx_linear (`panels` then holds the weight in its tile order)."""
+    a `tile_kernel` (Kernels.tile_kernel: `panels` then holds the weight in amx_pack's order)."""
 
-    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output", "amx_tiles")
+    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output", "tile_kernel")
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0,
-                 bf16_output: bool = False, amx_tiles: bool = False) -> None:
+                 bf16_output: bool = False, tile_kernel: str | None = None) -> None:
         if native_rows and (weight.dtype != torch.bfloat16 or scale is not None):
             raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
-        if amx_tiles and not native_rows:
-            raise ValueError("the AMX tile kernel runs the rows below native_rows: give native_rows")
-        self.amx_tiles = amx_tiles
-        self.panels = cpu_kernels.amx_pack(weight) if amx_tiles else cpu_kernels.pack(weight) if panel_rows else None
+        if tile_kernel and not native_rows:
+            raise ValueError("the tile kernels run the rows below native_rows: give native_rows")
+        self.tile_kernel = tile_kernel
+        self.panels = cpu_kernels.amx_pack(weight) if tile_kernel else cpu_kernels.pack(weight) if panel_rows else None
         self.weight = pack_native_bf16(weight) if native_rows else weight
         self.scale = scale
         self.panel_rows = panel_rows * NARROW_PANEL_ROWS_FACTOR
@@ -216,8 +229,8 @@ class NarrowLinear:
             x = x.to(torch.bfloat16)
             if x.shape[0] >= self.native_rows:
                 product = native_bf16_linear(x, self.weight)
-            elif self.amx_tiles:
-                product = cpu_kernels.amx_linear(x, self.panels, self.weight.shape[0], bf16_output=True)
+            elif self.tile_kernel:
+                product = tile_linear(self.tile_kernel)(x, self.panels, self.weight.shape[0], bf16_output=True)
             else:
                 # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded
                 # to bf16), so a row's result does not change with the number of rows in its batch
@@ -326,7 +339,9 @@ class Kernels:
     invariant: str | None = None  # batch-invariant mode's path ("native" or "portable"), else None
     widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
     native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
-    amx_tiles: bool = False  # with native_bf16_rows: cpu_kernels.amx_linear below them, not the panel kernel
+    # with native_bf16_rows: the weights in amx_pack's order, and the rows below them on cpu_kernels.amx_linear
+    # ("amx") or cpu_kernels.avx512_bf16_linear ("avx512_bf16") instead of the panel kernel (None)
+    tile_kernel: str | None = None
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
     amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
 
@@ -337,8 +352,10 @@ class Kernels:
             raise ValueError("widened bf16 runs the panel GEMM, the native row ops and decode attention: it needs all")
         if self.native_bf16_rows and not self.widened_bf16:
             raise ValueError("native_bf16_rows applies to widened bf16 only")
-        if self.amx_tiles and not self.native_bf16_rows:
-            raise ValueError("amx_tiles runs the rows below native_bf16_rows: it needs them")
+        if self.tile_kernel not in TILE_KERNELS:
+            raise ValueError(f"tile_kernel {self.tile_kernel!r} is none of {TILE_KERNELS}")
+        if self.tile_kernel and not self.native_bf16_rows:
+            raise ValueError("tile_kernel runs the rows below native_bf16_rows: it needs them")
         if self.amx_attention and not self.native_bf16_rows:
             raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
         if self.amx_int8_rows and not self.panel_rows:
@@ -354,9 +371,11 @@ class Kernels:
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
         kernels) where they run (`bf16_runs_widened`) and the head size suits them, else torch's bf16
-        ops; where the CPU computes bf16 (AMX), widened bf16 takes torch's bf16 GEMM from
+        ops; where the CPU computes bf16 (AMX, AVX512-BF16), widened bf16 takes torch's bf16 GEMM from
         NATIVE_BF16_MIN_ROWS rows and attends prompts in bf16 (`native_bf16_rows`); where it has AMX tiles
-        (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest.
+        (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest,
+        else where it has AVX512-BF16 (cpu_kernels.avx512_bf16_unavailable_reason) its kernel 1 to
+        AVX512_BF16_MAX_ROWS.
         int8 weights (fp32 activations) run batches of AMX_INT8_MIN_ROWS rows or more on AMX tiles where
         the CPU has them (`amx_int8_rows`, cpu_kernels.amx_int8_unavailable_reason), fewer on the panel kernel.
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
@@ -378,13 +397,15 @@ class Kernels:
         torch_bf16 = kernels and dtype == torch.bfloat16 and not widened
         native_gemm = widened and not quantized and native_bf16_gemm(device)
         amx = native_gemm and cpu_kernels.amx_available()
+        avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
+        tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
-                   native_bf16_rows=(AMX_MAX_ROWS + 1 if amx else NATIVE_BF16_MIN_ROWS) if native_gemm else 0,
-                   amx_tiles=amx, amx_attention=amx and amx_attention_enabled(config),
+                   native_bf16_rows=tile_rows + 1 if native_gemm else 0,
+                   tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None, amx_attention=amx and amx_attention_enabled(config),
                    amx_int8_rows=AMX_INT8_MIN_ROWS if amx_int8 else 0)
 
     def small_batch_rows(self, quantized: bool) -> int:
@@ -402,7 +423,7 @@ class Kernels:
         """With weights narrower than the activations (widened bf16, int8) on the panel GEMM: its row
         block. A batch of more rows widens each weight slice once before its row blocks use it; one
         block widens as it goes (0 for fp32 weights, which need no widening)."""
-        if self.amx_tiles:  # the tile kernel reads bf16 as it is
+        if self.tile_kernel:  # the tile kernels read bf16 as it is
             return 0
         return cpu_kernels.row_block() if self.panel_rows and (quantized or self.widened_bf16) else 0
 
@@ -574,7 +595,7 @@ class LlamaModel:
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.amx_int8_rows)
             if k.widened_bf16:
-                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.amx_tiles)
+                return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.tile_kernel)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
 
         # The layers' linear weights live in their Linear (once, in its own format). Under native
@@ -601,7 +622,8 @@ class LlamaModel:
                 weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
                 if self.quantization == "int8" else None,
                 plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.amx_int8_rows)
+                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.amx_int8_rows,
+                amx_tiles=k.tile_kernel == "amx")
 
     @property
     def weight_bytes(self) -> int:

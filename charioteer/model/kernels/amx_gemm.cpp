@@ -246,6 +246,8 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
   });
 }
 
+}  // namespace
+
 // x as the tiles read it: bf16, K zero padded to kb tiles; read in place where it already is that
 // (rows may be strided).
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb) {
@@ -254,8 +256,6 @@ torch::Tensor tile_input(const torch::Tensor& x, int64_t kb) {
   if (k % kTileK == 0 && bf16.stride(1) == 1) return bf16;
   return torch::constant_pad_nd(bf16, {0, kb * kTileK - k}).contiguous();
 }
-
-}  // namespace
 
 torch::Tensor amx_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "amx_pack takes a bf16 [N, K] weight");

@@ -16,13 +16,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+                    std::vector<torch::Tensor>, int64_t, bool, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("amx_ready", &amx_ready, "whether Linux granted this process AMX's tile state");
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the order AMX's B tiles read it");
   m.def("amx_linear", &amx_linear, "x bf16 @ w.T on AMX tiles, for a weight packed by amx_pack", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
+  m.def("avx512_bf16_linear", &avx512_bf16_linear, "x bf16 @ w.T with AVX512-BF16 for a weight packed by amx_pack",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
   m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
   m.def("amx_prefill_attention", &amx_prefill_attention, "a prompt chunk's causal attention on AMX tiles");
 }

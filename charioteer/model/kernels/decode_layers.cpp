@@ -30,11 +30,11 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> ffn_norm,
                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                            std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
-                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+                           bool amx_tiles, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                            double scale)
     : attn_norm_(std::move(attn_norm)), qkv_(std::move(qkv)), o_(std::move(o)), ffn_norm_(std::move(ffn_norm)),
       gate_up_(std::move(gate_up)), down_(std::move(down)), scales_(std::move(scales)), plain_(std::move(plain)),
-      native_rows_(native_rows), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
+      native_rows_(native_rows), amx_tiles_(amx_tiles), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
       eps_(eps), scale_(scale) {
   const size_t layers = attn_norm_.size();
   TORCH_CHECK(layers > 0 && qkv_.size() == layers && o_.size() == layers && ffn_norm_.size() == layers &&
@@ -48,10 +48,11 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t n) const {
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
-    // below native_rows: panels from amx_pack (4-d) on AMX tiles, else the panel kernel
+    // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
     const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(rounded, plain_[4 * layer + which])
-                         : panels.dim() == 4       ? amx_linear(rounded, panels, n, true)
-                                                   : panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16);
+                         : panels.dim() != 4 ? panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16)
+                         : amx_tiles_        ? amx_linear(rounded, panels, n, true)
+                                             : avx512_bf16_linear(rounded, panels, n, true);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
   if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels on AMX tiles

@@ -27,6 +27,11 @@ bool amx_ready();  // Linux granted this process the tile state
 torch::Tensor amx_pack(const torch::Tensor& weight);
 // x bf16 [M, K] @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+// x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
+torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
+// The same product as amx_linear, on the same packed weight, with AVX512-BF16's vdpbf16ps instead of tiles
+// (avx512_bf16_gemm.cpp): only in the avx512 build, and where the CPU has AVX512-BF16.
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
 // x fp32 [M, K] rounded to bf16 @ (q * scale[:, None]).T -> fp32 [M, n], for int8 q in the AVX-512
 // build's 32-column panels (panel_linear's): each panel widened to bf16 (exact); also needs AVX512-BF16.
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale);
@@ -45,11 +50,12 @@ class DecodeLayers {
   // amx_linear_int8 on the same panels. `plain`: for bf16 panels, each layer's four weights as
   // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
   // same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
-  // through oneDNN's bf16 GEMM (AMX), as NarrowLinear does; empty: the panels only.
+  // through oneDNN's bf16 GEMM, as NarrowLinear does; empty: the panels only. Weights packed by
+  // amx_pack run the smaller batches on AMX tiles with `amx_tiles`, else with AVX512-BF16.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
-               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
+               bool amx_tiles, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
 
   // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
   // weight; kv [layers, 2, slots + 1, kv_heads, dim]; cos, signed_sin [D, dim]; slot_mapping [D];
@@ -64,6 +70,8 @@ class DecodeLayers {
                        int64_t n) const;
 
   std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_, plain_;
-  int64_t native_rows_, heads_, kv_heads_, head_dim_, intermediate_;
+  int64_t native_rows_;
+  bool amx_tiles_;
+  int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
 };

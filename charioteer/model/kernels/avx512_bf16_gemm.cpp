@@ -1,0 +1,129 @@
+// bf16 GEMMs of up to a few dozen rows with AVX512-BF16's vdpbf16ps, for CPUs that have it but no
+// AMX tiles (AMD Zen 4, Intel Cooper Lake).
+//
+// Each vdpbf16ps multiplies 16 pairs of bf16 and adds both products into 16 fp32 sums: twice the
+// products of an fp32 FMA. The weight is the one amx_pack writes: per 16 columns and k-pair, one
+// 64-byte row holding each column's two k side by side, which is the vector vdpbf16ps takes. A pair of
+// column blocks (32 columns) runs blocks of kRows rows of x over the whole of K: the first block
+// streams the pair's weight from memory, the later ones find it in L2. (Software prefetches 4-16
+// k-steps ahead, to L1 or L2, were no faster than the hardware's on a Zen 4, and with T0 slower.) Each x pair
+// is broadcast to every lane. Where only this instruction set has bf16 arithmetic, oneDNN's bf16 GEMM
+// (also vdpbf16ps) pays a per-call cost that decode-sized batches feel: on a Zen 4, 2 threads,
+// SmolLM2's 30 layers at 16 rows took 20.5 ms through oneDNN against 30 in the panel kernel with
+// the weight widened to fp32; see llama.AVX512_BF16_MAX_ROWS for this kernel's.
+//
+// Every output is its own row of x times its column, summed over k in order (two products per
+// step, as the instruction adds them), whatever the other rows of the batch: a row's result does
+// not depend on them. Built into the AVX-512 build only (the functions carry AVX512-BF16's target
+// attribute); the caller checks the CPU first (cpu_kernels.avx512_bf16_unavailable_reason).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include "amx_tiles.h"  // the sizes of amx_pack's layout
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kRows = 8;                   // rows of x per block: 8 x 2 accumulators
+constexpr int64_t kPairs = kTileK / 2;         // k-pairs per k-step of the packed weight (16)
+
+// Rows [0, R) of x (bf16, K padded to kb k-steps, rows lda elements apart) times CT column blocks of
+// the packed weight (b0, and b1 when CT is 2) over every k-step, into c (fp32 or, with bf16 output,
+// rounded), rows ldc elements apart, `cols` valid columns from c.
+template <int R, int CT>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block(const uint16_t* a, int64_t lda, const uint16_t* b0,
+                                                                 const uint16_t* b1, int64_t kb, float* c,
+                                                                 uint16_t* c_bf16, int64_t ldc, int64_t cols) {
+  __m512 acc[R][CT];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < CT; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* b[2] = {b0, b1};
+  for (int64_t t = 0; t < kb; ++t) {
+    for (int64_t p = 0; p < kPairs; ++p) {
+      __m512bh w[CT];
+      for (int v = 0; v < CT; ++v) w[v] = (__m512bh)_mm512_loadu_si512(b[v] + (t * kPairs + p) * kTileK);
+      const int64_t k = t * kTileK + 2 * p;
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, a + r * lda + k, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < CT; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < CT; ++v) {
+      const int64_t left = cols - v * kTileN;
+      if (c_bf16 != nullptr) {
+        alignas(64) uint16_t rounded[kTileN];
+        vstore_bf16(rounded, acc[r][v]);
+        std::copy(rounded, rounded + std::min<int64_t>(left, kTileN), c_bf16 + r * ldc + v * kTileN);
+      } else {
+        vstore_n(c + r * ldc + v * kTileN, acc[r][v], left);
+      }
+    }
+}
+
+template <int CT>
+using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*, uint16_t*,
+                       int64_t, int64_t);
+
+template <int CT, int... R>
+constexpr std::array<Block<CT>, sizeof...(R) + 1> blocks(std::integer_sequence<int, R...>) {
+  return {nullptr, block<R + 1, CT>...};
+}
+template <int CT>
+constexpr auto kBlocks = blocks<CT>(std::make_integer_sequence<int, kRows>());
+
+}  // namespace
+
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "avx512_bf16_linear takes bf16 x [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileRows &&
+              packed.size(3) == kTileK && packed.is_contiguous(), "avx512_bf16_linear takes a weight packed by amx_pack");
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), kb = packed.size(1);
+  TORCH_CHECK((k + kTileK - 1) / kTileK == kb && (n + kTileN - 1) / kTileN == nb,
+              "x's K or n does not match the packed weight");
+  auto out = torch::empty({m, n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
+  if (m == 0) return out;
+  const auto a = tile_input(x, kb);
+  const auto* xs = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const int64_t lda = a.stride(0);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* out_fp32 = bf16_output ? nullptr : out.data_ptr<float>();
+  auto* out_bf16 = bf16_output ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  const int64_t pairs = (nb + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t j = 2 * pair, col0 = j * kTileN, cols = std::min(n - col0, 2 * kTileN);
+      const uint16_t* b0 = w + j * kb * kTileElems;
+      const uint16_t* b1 = j + 1 < nb ? b0 + kb * kTileElems : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        float* c = out_fp32 != nullptr ? out_fp32 + r0 * n + col0 : nullptr;
+        uint16_t* c_bf16 = out_bf16 != nullptr ? out_bf16 + r0 * n + col0 : nullptr;
+        if (b1 != nullptr) {
+          kBlocks<2>[rows](xs + r0 * lda, lda, b0, b1, kb, c, c_bf16, n, cols);
+        } else {
+          kBlocks<1>[rows](xs + r0 * lda, lda, b0, nullptr, kb, c, c_bf16, n, cols);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+#else
+
+torch::Tensor avx512_bf16_linear(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {
+  TORCH_CHECK(false, "avx512_bf16_linear is in the avx512 build only (cpu_kernels.avx512_bf16_unavailable_reason)");
+}
+
+#endif
