@@ -251,8 +251,9 @@ def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     from charioteer.model import cpu_kernels
 
     rows = decode_gemm_stream("cpu", rows=4, layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=300,
-                              repeats=1)
+                              repeats=2)
     assert rows[0]["backend"] == "F.linear" and len({r["backend"] for r in rows}) == len(rows)
+    assert all(r["ms_spread"][0] <= r["ms"] <= r["ms_spread"][1] and r["rows"] == 4 for r in rows)
     assert any(r["backend"].startswith("panel") for r in rows) == cpu_kernels.available()
     assert all(r["lm_head_ms"] > 0 for r in rows)
     # 2 layers of QKV (128 x 64), O (64 x 64), gate/up (192 x 64) and down (64 x 96): 4 bytes a weight, or

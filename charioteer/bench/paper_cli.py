@@ -146,9 +146,11 @@ def cmd_roofline(args) -> int:
     if args.decode_stream:
         if args.rows < 1:
             raise ValueError(f"--rows must be at least 1, got {args.rows}")
-        extra["decode_gemm_stream"] = decode_gemm_stream(args.device, rows=args.rows)
+        check_repeats(args.repeats)
+        extra["decode_gemm_stream"] = decode_gemm_stream(args.device, rows=args.rows, repeats=args.repeats)
         rates += [row["gflops"] for row in extra["decode_gemm_stream"] if row["compute"] == roof["dtype"]]
-        sections.append(f"One {args.rows}-row decode step's linear layers of SmolLM2-135M (weights streamed from memory):\n"
+        sections.append(f"One {args.rows}-row decode step's linear layers of SmolLM2-135M (weights streamed from memory), "
+                        f"median [min, max] of {args.repeats} interleaved rounds:\n"
                         + format_table(extra["decode_gemm_stream"],
                                        ["backend", "ms", "weight_gbs", "gflops", "weight_mb", "lm_head_ms", "lm_head_gbs"]))
     # A rate the sweeps observe above the peak of the dtype it computed in raises that peak (a measured rate
@@ -304,4 +306,6 @@ def _add_roofline(bench_sub) -> None:
     p.add_argument("--decode-stream", action="store_true",
                    help="also time one decode step's linear layers of SmolLM2-135M per GEMM backend")
     p.add_argument("--rows", type=int, default=16, help="batch rows of --decode-stream's step (default 16)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="--decode-stream's interleaved rounds, every backend once per round (default 5)")
     p.set_defaults(func=cmd_roofline)

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
+from charioteer.bench.stats import SPREAD, interleaved, median, spread
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The /proc/cpuinfo flags that change what a matmul can reach (x86 and Arm); the rest are ignored.
 CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -362,18 +364,14 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     SmolLM2-135M's), `rows` batch rows, timed per GEMM backend: plain F.linear (MKL sgemm), MKL's
     packed GEMM (the engine's path above the panel kernel's rows, up to 64), the panel kernel (its path
     up to cpu_kernels.max_rows() rows) on fp32, bf16 and int8 weights, oneDNN's packed linear
-    where torch has them, and where the CPU computes bf16, widened bf16's two GEMMs on bf16 input
-    (oneDNN's, and the AMX tile kernel where there are tiles). Reports the layers' time, the weight bytes read per second (of the
-    weights as each backend stores them) and GFLOP/s, and the LM head's time and GB/s on its own
-    ([vocab, hidden], as tied to the embedding). `compute` names the dtype each backend multiplies in
+    where torch has them, and where the CPU computes bf16, widened bf16's GEMMs on bf16 input
+    (oneDNN's, the AMX tile kernel where there are tiles, the AVX512-BF16 kernel where it runs).
+    `repeats` interleaved rounds (every backend once per round, after one round of warm-up): the
+    layers' time and the LM head's ([vocab, hidden], as tied to the embedding) on its own, each a
+    median with its spread, and from the medians the weight bytes read per second (of the weights as
+    each backend stores them) and GFLOP/s. `compute` names the dtype each backend multiplies in
     (narrow weights on the panel kernel are widened to fp32), whose roofline its rate may raise.
     """
-    import torch.nn.functional as F
-
-    from charioteer.model import cpu_kernels
-    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
-    from charioteer.model.precision import native_bf16_linear, onednn_packs_bf16, pack_native_bf16, quantize_int8
-
     device = torch.device(device)
     h, inter, head_dim = hidden, intermediate, hidden // heads
     shapes = [((heads + 2 * kv_heads) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter)]
@@ -385,51 +383,75 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     lm_head = torch.randn(vocab, h, device=device) * 0.02
     lm_input = torch.randn(rows, h, device=device)
 
-    def timed(name: str, prepare, call, element_bytes: int = 4, compute: str = "float32") -> dict:
-        prepared = [prepare(w) for w in weights]
-        t = _best_time(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)], device, repeats)
-        head = prepare(lm_head)
-        t_head = _best_time(lambda: call(lm_input, head, lm_head), device, repeats)
+    def clock(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    def run(prepare, call):
+        prepared, head = [prepare(w) for w in weights], prepare(lm_head)
+        return lambda: (clock(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)]),
+                        clock(lambda: call(lm_input, head, lm_head)))
+
+    backends = _stream_backends(device, rows)
+    samples = interleaved({name: run(prepare, call) for name, prepare, call, _, _ in backends}, repeats, warmup=1)
+    out = []
+    for name, _, _, element_bytes, compute in backends:
+        layer_times, head_times = [s[0] for s in samples[name]], [s[1] for s in samples[name]]
+        t, t_head = median(layer_times), median(head_times)
         stored = nbytes // 4 * element_bytes
         # 3 significant digits: a small model's LM head takes a few microseconds, and its rates on a
         # busy machine can be a few MFLOP/s, which one decimal of GFLOP/s would round to 0
-        return {"backend": name, "compute": compute, "ms": _sig3(t * 1e3), "weight_mb": round(stored / 1e6, 1),
-                "weight_gbs": _sig3(stored / t / 1e9), "gflops": _sig3(flops / t / 1e9),
-                "lm_head_ms": _sig3(t_head * 1e3), "lm_head_gbs": _sig3(lm_head.numel() * element_bytes / t_head / 1e9)}
+        out.append({"backend": name, "compute": compute, "rows": rows, "ms": _sig3(t * 1e3),
+                    "ms" + SPREAD: [_sig3(x * 1e3) for x in spread(layer_times)], "weight_mb": round(stored / 1e6, 1),
+                    "weight_gbs": _sig3(stored / t / 1e9), "gflops": _sig3(flops / t / 1e9),
+                    "lm_head_ms": _sig3(t_head * 1e3), "lm_head_ms" + SPREAD: [_sig3(x * 1e3) for x in spread(head_times)],
+                    "lm_head_gbs": _sig3(lm_head.numel() * element_bytes / t_head / 1e9)})
+    return out
+
+
+def _stream_backends(device: torch.device, rows: int) -> list[tuple]:
+    """decode_gemm_stream's backends that run here: (name, prepare(weight), call(x, prepared, weight),
+    bytes per stored weight, the dtype it multiplies in)."""
+    import torch.nn.functional as F
+
+    from charioteer.model import cpu_kernels
+    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, packed_gemm_available
+    from charioteer.model.precision import native_bf16_linear, onednn_packs_bf16, pack_native_bf16, quantize_int8
 
     def int8_panels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_int8(w)
         return cpu_kernels.pack(q), scale
 
-    out = [timed("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w))]
+    out = [("F.linear", lambda w: None, lambda x, p, w: F.linear(x, w), 4, "float32")]
     if device.type == "cpu" and cpu_kernels.available():
         isa = cpu_kernels.chosen_isa()
-        out.append(timed(f"panel ({isa})", cpu_kernels.pack, lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0])))
-        out.append(timed(f"panel bf16 ({isa})", lambda w: cpu_kernels.pack(w.bfloat16()),
-                         lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0]), element_bytes=2))
-        out.append(timed(f"panel int8 ({isa})", int8_panels,
-                         lambda x, p, w: cpu_kernels.linear(x, p[0], w.shape[0], p[1]), element_bytes=1))
+        out.append((f"panel ({isa})", cpu_kernels.pack, lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0]), 4,
+                    "float32"))
+        out.append((f"panel bf16 ({isa})", lambda w: cpu_kernels.pack(w.bfloat16()),
+                    lambda x, p, w: cpu_kernels.linear(x, p, w.shape[0]), 2, "float32"))
+        out.append((f"panel int8 ({isa})", int8_panels,
+                    lambda x, p, w: cpu_kernels.linear(x, p[0], w.shape[0], p[1]), 1, "float32"))
     if packed_gemm_available(device):
-        out.append(timed("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
-                         lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows)))
+        out.append(("mkl packed", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_GEMM_MAX_ROWS),
+                    lambda x, p, w: torch.ops.mkl._mkl_linear(x, p, w, None, rows), 4, "float32"))
     if (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
-        out.append(timed("onednn packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
-                         lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")))
+        out.append(("onednn packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
+                    lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), 4, "float32"))
     # widened bf16's GEMMs where the CPU computes bf16 (NarrowLinear): x rounded to bf16 at each call
     if device.type == "cpu" and onednn_packs_bf16():
-        out.append(timed("onednn packed bf16", lambda w: pack_native_bf16(w.bfloat16()),
-                         lambda x, p, w: native_bf16_linear(x.bfloat16(), p), element_bytes=2, compute="bfloat16"))
+        out.append(("onednn packed bf16", lambda w: pack_native_bf16(w.bfloat16()),
+                    lambda x, p, w: native_bf16_linear(x.bfloat16(), p), 2, "bfloat16"))
     if device.type == "cpu" and cpu_kernels.amx_available():
-        out.append(timed("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
-                         lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
-                         element_bytes=2, compute="bfloat16"))
+        out.append(("amx tiles bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
+                    lambda x, p, w: cpu_kernels.amx_linear(x.bfloat16(), p, w.shape[0], bf16_output=True), 2,
+                    "bfloat16"))
     if device.type == "cpu" and cpu_kernels.avx512_bf16_unavailable_reason() is None:
-        out.append(timed("avx512-bf16 bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
-                         lambda x, p, w: cpu_kernels.avx512_bf16_linear(x.bfloat16(), p, w.shape[0], bf16_output=True),
-                         element_bytes=2, compute="bfloat16"))
-    for row in out:
-        row["rows"] = rows
+        out.append(("avx512-bf16 bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
+                    lambda x, p, w: cpu_kernels.avx512_bf16_linear(x.bfloat16(), p, w.shape[0], bf16_output=True), 2,
+                    "bfloat16"))
     return out
 
 
