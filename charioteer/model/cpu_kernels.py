@@ -21,6 +21,10 @@ SDPA run such small shapes.
   once, x read in place, C in 32 x 32 blocks. On SmolLM2's layers and a LLaMA-7B layer it is
   1.15-1.45x faster than oneDNN's bf16 GEMM from 1 to 64 rows, where oneDNN pays a per-call cost,
   and as fast at about 200 rows (llama.AMX_MAX_ROWS).
+- `avx512_bf16_linear`: the same product on the same packed weight with AVX512-BF16's `vdpbf16ps`,
+  for CPUs that have it but no AMX (Zen 4; `avx512_bf16_unavailable_reason`, CHARIOTEER_AVX512_BF16=0
+  turns it off): 1.2-1.5x faster than oneDNN's bf16 GEMM on SmolLM2's layers from 1 to 16 rows, as
+  fast at 256 (llama.AVX512_BF16_MAX_ROWS).
 - `amx_linear_int8`: int8 weights on the same tiles, widened to bf16 as they are used
   (`amx_int8_unavailable_reason`; CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel).
 

@@ -7,8 +7,9 @@
   cache stay bf16, so a decode step reads half of fp32's bytes, and the kernels widen them to fp32
   as they load them; activations are fp32. Where the CPU has no bf16 arithmetic (AVX2, plain
   AVX-512) torch's bf16 matmul runs at a seventh of fp32's rate, so every GEMM widens.
-- Where it has (AMX), a GEMM of NATIVE_BF16_MIN_ROWS rows or more, and a prompt's attention, run
-  in bf16 (`native_bf16_gemm`): the input rounded to bf16, the product widened back. The panel
+- Where it has (AMX, AVX512-BF16), a GEMM of NATIVE_BF16_MIN_ROWS rows or more, and a prompt's
+  attention, run in bf16 (`native_bf16_gemm`): the input rounded to bf16, the product widened back
+  (the rows below oneDNN's go to our tile kernels instead where they run: llama.Kernels.tile_kernel). The panel
   kernel is faster only up to a few rows; widened with AMX GEMMs ran SmolLM2's chat workload 1.2x
   faster than torch's bf16 ops, and LLaMA-7B layers as fast. Its weights are reordered once for
   oneDNN (`pack_native_bf16`), as torch's own bf16 linear reorders them at every call.
