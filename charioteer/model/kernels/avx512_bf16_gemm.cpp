@@ -1,13 +1,13 @@
-// bf16 GEMMs of up to a few dozen rows with AVX512-BF16's vdpbf16ps, for CPUs that have it but no
+// bf16 GEMMs of up to a few hundred rows with AVX512-BF16's vdpbf16ps, for CPUs that have it but no
 // AMX tiles (AMD Zen 4, Intel Cooper Lake).
 //
 // Each vdpbf16ps multiplies 16 pairs of bf16 and adds both products into 16 fp32 sums: twice the
 // products of an fp32 FMA. The weight is the one amx_pack writes: per 16 columns and k-pair, one
 // 64-byte row holding each column's two k side by side, which is the vector vdpbf16ps takes. A pair of
 // column blocks (32 columns) runs blocks of kRows rows of x over the whole of K: the first block
-// streams the pair's weight from memory, the later ones find it in L2. (Software prefetches 4-16
-// k-steps ahead, to L1 or L2, were no faster than the hardware's on a Zen 4, and with T0 slower.) Each x pair
-// is broadcast to every lane. Where only this instruction set has bf16 arithmetic, oneDNN's bf16 GEMM
+// streams the pair's weight from memory, the later ones find it in L2 (software prefetches 4-16
+// k-steps ahead, to L1 or L2, were no faster than the hardware's on a Zen 4). Each x pair is
+// broadcast to every lane. Where only this instruction set has bf16 arithmetic, oneDNN's bf16 GEMM
 // (also vdpbf16ps) pays a per-call cost that decode-sized batches feel: on a Zen 4, 2 threads,
 // SmolLM2's 30 layers at 16 rows took 20.5 ms through oneDNN against 30 in the panel kernel with
 // the weight widened to fp32; see llama.AVX512_BF16_MAX_ROWS for this kernel's.
