@@ -282,15 +282,20 @@ bool amx_ready() {
   return ready;
 }
 
+torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                               bool bf16_output) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, name, " takes bf16 x [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileRows &&
+              packed.size(3) == kTileK && packed.is_contiguous(), name, " takes a weight packed by amx_pack");
+  TORCH_CHECK((x.size(1) + kTileK - 1) / kTileK == packed.size(1) && (n + kTileN - 1) / kTileN == packed.size(0),
+              "x's K or n does not match the packed weight");
+  return torch::empty({x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
+}
+
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
   TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "amx_linear takes bf16 x [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileRows &&
-              packed.size(3) == kTileK && packed.is_contiguous(), "amx_linear takes a weight packed by amx_pack");
+  auto out = tile_gemm_output("amx_linear", x, packed, n, bf16_output);
   const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), kb = packed.size(1);
-  TORCH_CHECK((k + kTileK - 1) / kTileK == kb && (n + kTileN - 1) / kTileN == nb,
-              "x's K or n does not match the packed weight");
-  auto out = torch::empty({m, n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
   if (m == 0) return out;
   const auto a = tile_input(x, kb);
   float* out_fp32 = bf16_output ? nullptr : out.data_ptr<float>();

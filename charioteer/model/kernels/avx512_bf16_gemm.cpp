@@ -85,13 +85,8 @@ constexpr auto kBlocks = blocks<CT>(std::make_integer_sequence<int, kRows>());
 }  // namespace
 
 torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "avx512_bf16_linear takes bf16 x [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileRows &&
-              packed.size(3) == kTileK && packed.is_contiguous(), "avx512_bf16_linear takes a weight packed by amx_pack");
-  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), kb = packed.size(1);
-  TORCH_CHECK((k + kTileK - 1) / kTileK == kb && (n + kTileN - 1) / kTileN == nb,
-              "x's K or n does not match the packed weight");
-  auto out = torch::empty({m, n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
+  auto out = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output);
+  const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
   if (m == 0) return out;
   const auto a = tile_input(x, kb);
   const auto* xs = reinterpret_cast<const uint16_t*>(a.data_ptr());

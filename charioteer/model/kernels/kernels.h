@@ -29,6 +29,10 @@ torch::Tensor amx_pack(const torch::Tensor& weight);
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
 // x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
+// The checks of the tile-order GEMMs (`name`: amx_linear or avx512_bf16_linear) on x bf16 [M, K] and a weight
+// packed by amx_pack; returns their output [M, n], fp32 or bf16.
+torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                               bool bf16_output);
 // The same product as amx_linear, on the same packed weight, with AVX512-BF16's vdpbf16ps instead of tiles
 // (avx512_bf16_gemm.cpp): only in the avx512 build, and where the CPU has AVX512-BF16.
 torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
