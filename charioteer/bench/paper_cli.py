@@ -149,8 +149,8 @@ def cmd_roofline(args) -> int:
         check_repeats(args.repeats)
         extra["decode_gemm_stream"] = decode_gemm_stream(args.device, rows=args.rows, repeats=args.repeats)
         rates += [row["gflops"] for row in extra["decode_gemm_stream"] if row["compute"] == roof["dtype"]]
-        sections.append(f"One {args.rows}-row decode step's linear layers of SmolLM2-135M (weights streamed from memory), "
-                        f"median [min, max] of {args.repeats} interleaved rounds:\n"
+        sections.append(f"One {args.rows}-row decode step's linear layers of SmolLM2-135M "
+                        f"(weights streamed from memory), median [min, max] of {args.repeats} interleaved rounds:\n"
                         + format_table(extra["decode_gemm_stream"],
                                        ["backend", "ms", "weight_gbs", "gflops", "weight_mb", "lm_head_ms", "lm_head_gbs"]))
     # A rate the sweeps observe above the peak of the dtype it computed in raises that peak (a measured rate

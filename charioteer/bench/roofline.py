@@ -406,7 +406,8 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
         out.append({"backend": name, "compute": compute, "rows": rows, "ms": _sig3(t * 1e3),
                     "ms" + SPREAD: [_sig3(x * 1e3) for x in spread(layer_times)], "weight_mb": round(stored / 1e6, 1),
                     "weight_gbs": _sig3(stored / t / 1e9), "gflops": _sig3(flops / t / 1e9),
-                    "lm_head_ms": _sig3(t_head * 1e3), "lm_head_ms" + SPREAD: [_sig3(x * 1e3) for x in spread(head_times)],
+                    "lm_head_ms": _sig3(t_head * 1e3),
+                    "lm_head_ms" + SPREAD: [_sig3(x * 1e3) for x in spread(head_times)],
                     "lm_head_gbs": _sig3(lm_head.numel() * element_bytes / t_head / 1e9)})
     return out
 

@@ -300,8 +300,8 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
     """
     return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
-                                      plain_weights or [], native_rows, amx_tiles, heads, kv_heads, head_dim, intermediate, eps,
-                                      scale)
+                                      plain_weights or [], native_rows, amx_tiles, heads, kv_heads, head_dim, intermediate,
+                                      eps, scale)
 
 
 AMX_FLAGS = {"amx_tile", "amx_bf16"}  # /proc/cpuinfo names

@@ -169,6 +169,8 @@ TILE_KERNELS = (None, "amx", "avx512_bf16")  # Kernels.tile_kernel: the bf16 ker
 def tile_linear(kernel: str):
     """The function of a Kernels.tile_kernel: (x bf16, packed, n, bf16_output=) -> x @ w.T."""
     return {"amx": cpu_kernels.amx_linear, "avx512_bf16": cpu_kernels.avx512_bf16_linear}[kernel]
+
+
 # Rows from which int8 weights run on AMX tiles (cpu_kernels.amx_linear_int8), fewer on the panel kernel.
 # Against the panel kernel (fp32 activations) on a Xeon with AMX, 2 threads, weights out of cache, 9
 # interleaved rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32;
@@ -208,7 +210,7 @@ class NarrowLinear:
     `bf16_output`); fewer rows round as that GEMM does (0: never), on the panel kernel, or with
     a `tile_kernel` (Kernels.tile_kernel: `panels` then holds the weight in amx_pack's order)."""
 
-    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output", "tile_kernel")
+    __slots__ = ("weight", "scale", "panels", "panel_rows", "native_rows", "bf16_output", "tile_linear")
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, panel_rows: int, native_rows: int = 0,
                  bf16_output: bool = False, tile_kernel: str | None = None) -> None:
@@ -216,7 +218,7 @@ class NarrowLinear:
             raise ValueError("only bf16 weights without scales run torch's bf16 GEMM")
         if tile_kernel and not native_rows:
             raise ValueError("the tile kernels run the rows below native_rows: give native_rows")
-        self.tile_kernel = tile_kernel
+        self.tile_linear = tile_linear(tile_kernel) if tile_kernel else None  # looked up once, not per call
         self.panels = cpu_kernels.amx_pack(weight) if tile_kernel else cpu_kernels.pack(weight) if panel_rows else None
         self.weight = pack_native_bf16(weight) if native_rows else weight
         self.scale = scale
@@ -229,8 +231,8 @@ class NarrowLinear:
             x = x.to(torch.bfloat16)
             if x.shape[0] >= self.native_rows:
                 product = native_bf16_linear(x, self.weight)
-            elif self.tile_kernel:
-                product = tile_linear(self.tile_kernel)(x, self.panels, self.weight.shape[0], bf16_output=True)
+            elif self.tile_linear:
+                product = self.tile_linear(x, self.panels, self.weight.shape[0], bf16_output=True)
             else:
                 # the panel kernel takes and gives what the bf16 GEMM does (bf16 input, product rounded
                 # to bf16), so a row's result does not change with the number of rows in its batch
@@ -405,7 +407,8 @@ class Kernels:
                    packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
-                   tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None, amx_attention=amx and amx_attention_enabled(config),
+                   tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
+                   amx_attention=amx and amx_attention_enabled(config),
                    amx_int8_rows=AMX_INT8_MIN_ROWS if amx_int8 else 0)
 
     def small_batch_rows(self, quantized: bool) -> int:
