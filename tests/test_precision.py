@@ -25,11 +25,17 @@ NEW_TOKENS = 16
 # 0.17, 0.015 on 364; 0.18, 0.011 on 728; 0.18, 0.007 on 1456. The largest difference does not grow with
 # the prompt past a few hundred tokens; this bound is tested on 728. On a Xeon with AMX, on 728 tokens:
 # 0.21 through torch's bf16 ops, 0.25 widened with AMX GEMMs and bf16 prompt attention (0.21 with fp32
-# prompt attention, which costs 10-15 % of a LLaMA-7B prefill there), 0.04 widened throughout.
-BF16_CHUNKED_LOGPROB_TOL = 0.3
+# prompt attention, which costs 10-15 % of a LLaMA-7B prefill there), 0.04 widened throughout. On
+# Zen 4 (AVX512-BF16, no AMX), 728 tokens: 0.20 widened, 0.28 through torch's ops, 0.32 on the AVX2
+# kernels with oneDNN's bf16 GEMM, one token past 0.15 (a last-bit difference in the fp32 row ops
+# rounds an activation to the next bf16 value). The largest of 727 differences is one rounding
+# flip; their mean, 0.017-0.022 on every path there, is the steadier check.
+BF16_CHUNKED_LOGPROB_TOL = 0.4
+BF16_CHUNKED_MEAN_LOGPROB_TOL = 0.03
 # int8 weights with fp32 activations sum in fp32, as fp32 weights do: only the order of the
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
+INT8_CHUNKED_MEAN_LOGPROB_TOL = 1e-4
 # On AMX tiles (8 rows or more) int8's activations are rounded to bf16, so a difference in the last
 # fp32 bit may round an input to the next bf16 value, as in bf16: bf16's bound. Measured on a Xeon
 # with AMX on 728 tokens: 0.091.
@@ -159,18 +165,22 @@ def test_bf16_halves_the_kv_cache_and_runs_in_bf16(default_model, compute, monke
     assert cap32["weight_bytes"] <= cap16["weight_bytes"] * 2 <= cap32["weight_bytes"] * 1.001
 
 
+BF16_TOLS = (BF16_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL)
+
+
 @pytest.mark.parametrize("dtype, quantization, tolerance, compute", [
-    ("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "torch"),
-    pytest.param("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "widened",
+    ("bfloat16", None, BF16_TOLS, "torch"),
+    pytest.param("bfloat16", None, BF16_TOLS, "widened",
                  marks=pytest.mark.skipif(not cpu_kernels.available(), reason="widened bf16 runs in the CPU kernels")),
-    pytest.param("bfloat16", None, BF16_CHUNKED_LOGPROB_TOL, "widened-sdpa",
+    pytest.param("bfloat16", None, BF16_TOLS, "widened-sdpa",
                  marks=pytest.mark.skipif(not cpu_kernels.amx_available(), reason="AMX attention only where it runs")),
-    ("float32", "int8", INT8_CHUNKED_LOGPROB_TOL, "panel"),
-    pytest.param("float32", "int8", INT8_AMX_CHUNKED_LOGPROB_TOL, "amx-tiles",
+    ("float32", "int8", (INT8_CHUNKED_LOGPROB_TOL, INT8_CHUNKED_MEAN_LOGPROB_TOL), "panel"),
+    pytest.param("float32", "int8", (INT8_AMX_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL), "amx-tiles",
                  marks=pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
                                           reason="int8 on AMX tiles only where they run"))])
 def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance, compute,
                                                                  monkeypatch):
+    """`tolerance`: (the largest |logprob difference| over the prompt, their mean)."""
     amx_attention = compute == "widened" and cpu_kernels.amx_available()
     if quantization:
         monkeypatch.setenv("CHARIOTEER_AMX_INT8", "1" if compute == "amx-tiles" else "0")
@@ -188,9 +198,11 @@ def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, 
         assert bool(llm.engine.model.kernels.amx_int8_rows) == (compute == "amx-tiles")
         out = llm.generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
-    diff = max(abs(a - b) for a, b in zip(*runs))
-    print(f"\n[{dtype}, {quantization}, {compute}] whole vs chunked prefill of {len(ids)} tokens: max |logprob diff| {diff:.2g}")
-    assert diff < tolerance
+    diffs = [abs(a - b) for a, b in zip(*runs)]
+    largest, mean = max(diffs), sum(diffs) / len(diffs)
+    print(f"\n[{dtype}, {quantization}, {compute}] whole vs chunked prefill of {len(ids)} tokens: "
+          f"|logprob diff| max {largest:.2g}, mean {mean:.2g}")
+    assert largest < tolerance[0] and mean < tolerance[1]
 
 
 @each_bf16_compute
