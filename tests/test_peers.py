@@ -198,3 +198,30 @@ def test_int8_compares_charioteer_int8_with_llama_cpp_q8_0(monkeypatch, canned_b
     assert rows["llama.cpp", "Q4_1 weights, f16 KV"]["sarathi_speedup"] == pytest.approx(0.5, abs=0.01)
     assert rows["llama.cpp", "Q8_0 weights, f16 KV"]["sarathi_speedup"] == pytest.approx(3.0, abs=0.01)
     assert rows["hf-static", "int8 weights, fp32 activations"]["status"].startswith("skipped: no weight-only int8")
+
+
+def test_a_runs_file_keeps_each_finished_run_and_a_rerun_resumes_from_it(monkeypatch, canned_b, tmp_path):
+    """--runs-file: every engine run is written as it ends; a rerun with the same settings takes the
+    saved runs and runs only the rest, skipping a line cut off mid-write; other settings run afresh."""
+    w = canned_b
+    seconds = {("charioteer-sarathi", "float32"): 1.0, ("hf-static", "float32"): 2.0}
+    ran = _canned_runs(monkeypatch, w, seconds)
+    runs_file = tmp_path / "runs.jsonl"
+    first = peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, repeats=2,
+                            runs_file=str(runs_file))
+    assert len(ran) == 4 and len(runs_file.read_text().splitlines()) == 4
+    with open(runs_file, "a") as f:
+        f.write('{"settings": {"processor"')  # a write cut off by a kill
+    ran.clear()
+    again = peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, repeats=3,
+                            runs_file=str(runs_file))
+    assert [engine for engine, _ in ran] == ["charioteer-sarathi", "hf-static"]  # the third round only
+    rows = {r["engine"]: r for r in again["rows"]}
+    assert rows["charioteer-sarathi"]["repeats"] == 3 and rows["hf-static"]["sarathi_speedup"] == pytest.approx(2.0)
+    assert {r["engine"]: r["repeats"] for r in first["rows"]} == {"charioteer-sarathi": 2, "hf-static": 2}
+    ran.clear()
+    peers.run_peers(["B"], ["charioteer-sarathi", "hf-static"], quick=True, repeats=3, runs_file=str(runs_file))
+    assert ran == []  # the runs written after the cut-off line are whole
+    ran.clear()
+    peers.run_peers(["B"], ["charioteer-sarathi"], quick=True, repeats=1, threads=1, runs_file=str(runs_file))
+    assert len(ran) == 1  # another thread count: nothing taken from the file

@@ -45,7 +45,7 @@ from charioteer.bench import peer_worker
 from charioteer.bench.common import PRECISION_SETTINGS, choices, peak_dtype
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
-from charioteer.bench.roofline import mfu
+from charioteer.bench.roofline import cpu_model, mfu
 from charioteer.bench.stats import compare, median, put, put_mfu
 from charioteer.model.llama import bf16_runs_widened
 from charioteer.model.precision import native_bf16_gemm
@@ -225,15 +225,57 @@ def model_files(cache_dir: str, keys: list[str]) -> dict[str, dict]:
 # ---- the benchmark ----------------------------------------------------------------------
 
 
+class RunLog:
+    """Finished engine runs, one JSON line each in `path`, written as each run ends: a benchmark cut
+    off part way keeps what it measured, and a rerun with the same settings takes those runs from the
+    file instead of running them again (a line cut off mid-write is skipped, with a warning)."""
+
+    def __init__(self, path: str | None, settings: dict) -> None:
+        self.path, self.settings = path, settings
+        self.saved: dict[tuple, list[dict]] = {}
+        self.ends_mid_line = False  # a cut-off last line: the next run starts on a line of its own
+        if path is None or not os.path.exists(path):
+            return
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                self.ends_mid_line = not line.endswith("\n")
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    print(f"{path}:{number}: not a whole JSON line, skipped", file=sys.stderr)
+                    continue
+                if entry.get("settings") == settings:
+                    self.saved.setdefault(tuple(entry["job"]), []).append(entry["result"])
+
+    def take(self, job: tuple) -> dict | None:
+        """A saved run of `job` (key, engine, dtype) not yet taken, else None."""
+        runs = self.saved.get(job)
+        return runs.pop(0) if runs else None
+
+    def add(self, job: tuple, result: dict) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write("\n" if self.ends_mid_line else "")
+                self.ends_mid_line = False
+                f.write(json.dumps({"settings": self.settings, "job": list(job), "result": result}) + "\n")
+
+
+def _run_summary(job: dict, result: dict) -> str:
+    """One line on a finished engine run: its generated tokens/s per workload."""
+    rates = ", ".join(f"{w.name} {r['generated_tokens'] / r['elapsed_s']:.1f} tok/s"
+                      for w, r in zip(job["workloads"], result["results"]))
+    return f"{job['engine']} ({job['dtype']}): {rates}"
+
+
 def run_peers(workloads: list[str], engines: list[str], quick: bool = False, threads: int = 2,
               vllm_python: str | None = None, cache_dir: str | None = None, timeout_s: float = 1800,
               roofline: dict | None = None, progress=None, sarathi_token_budget: int | None = None,
               repeats: int = 3, dtypes: tuple[str, ...] = ("float32",), rooflines: dict | None = None,
-              vllm_token_budget: int | None = None) -> dict:
+              vllm_token_budget: int | None = None, runs_file: str | None = None) -> dict:
     """Every engine in every dtype over the workloads, `repeats` rounds, interleaved (each round runs every
     engine once, each in a fresh process); rows carry medians and spreads, and a verdict against
     charioteer-sarathi at the same precision. `roofline` is the float32 one; `rooflines` maps other dtypes
-    to theirs (a row without one gets no MFU)."""
+    to theirs (a row without one gets no MFU). `runs_file`: a RunLog of the engine runs."""
     from charioteer.model.loader import load_hf_dir, parse_synthetic_spec
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "charioteer", "peers")
@@ -267,14 +309,12 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
             else:
                 jobs.append({"key": key, "config": config, "engine": engine, "python": python, "workloads": runnable,
                              "base": base, "dtype": dtype, "results": [], "failed": None})
+    log = RunLog(runs_file, {"processor": cpu_model(), "workloads": sorted(built), "quick": quick, "threads": threads,
+                             "sarathi_token_budget": sarathi_token_budget, "vllm_token_budget": vllm_token_budget})
     for _ in range(repeats):
         for job in jobs:
             if job["failed"] is None:
-                try:
-                    job["results"].append(run_engine(job["python"], job["engine"], files[job["key"]], job["workloads"],
-                                                     threads, timeout_s, job["dtype"]))
-                except RuntimeError as e:
-                    job["failed"] = str(e)
+                _run_job(job, log, files[job["key"]], threads, timeout_s)
             if progress:
                 progress.update()
     rows += [row for job in jobs for row in _job_rows(job)]
@@ -283,6 +323,24 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     return {"roofline": roofline, "rooflines": rooflines, "threads": threads, "quick": quick, "batch_size": BATCH_SIZE,
             "repeats": repeats, "dtypes": list(dtypes), "sarathi_token_budget": sarathi_token_budget,
             "vllm_token_budget": vllm_token_budget, "rows": rows}
+
+
+def _run_job(job: dict, log: RunLog, files: dict, threads: int, timeout_s: float) -> None:
+    """One more run of `job`: from the log where it saved one, else a fresh process, then logged."""
+    from tqdm import tqdm
+
+    name = (job["key"], job["engine"], job["dtype"])
+    result, source = log.take(name), " (from the runs file)"
+    if result is None:
+        source = ""
+        try:
+            result = run_engine(job["python"], job["engine"], files, job["workloads"], threads, timeout_s, job["dtype"])
+        except RuntimeError as e:
+            job["failed"] = str(e)
+            return
+        log.add(name, result)
+    job["results"].append(result)
+    tqdm.write(_run_summary(job, result) + source, file=sys.stderr)
 
 
 def engine_dtypes(engine: str, dtypes: tuple[str, ...]) -> list[str]:
@@ -384,6 +442,10 @@ def add_peers_bench(bench_sub) -> None:
                         "median and spread are reported (default: 3)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one engine may take (default: 1800)")
     p.add_argument("--cache-dir", default=None, help="where the fp32 HF folders are written (default: ~/.cache/charioteer/peers)")
+    p.add_argument("--runs-file", default=None,
+                   help="append every finished engine run to this file (JSON lines) as it ends; a rerun with the "
+                        "same file and settings takes the runs it holds instead of running them again, so a run "
+                        "cut off part way resumes (default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_bench_peers)
 
@@ -414,7 +476,7 @@ def cmd_bench_peers(args) -> int:
     with tqdm(total=runs * args.repeats * len(dtypes), desc="engine runs", file=sys.stderr, leave=False) as bar:
         result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
                            args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs,
-                           args.vllm_token_budget)
+                           args.vllm_token_budget, args.runs_file)
     if args.json:
         print(json.dumps(result))
     else:
