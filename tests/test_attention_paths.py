@@ -219,3 +219,39 @@ def test_kernels_choose_off_the_cpu_and_by_switch(monkeypatch):
     assert cpu.ops is (llama.NativeRowOps if cpu_kernels.available() else llama.TorchRowOps)
     monkeypatch.setenv("CHARIOTEER_PACKED_GEMM", "0")
     assert not llama.Kernels.choose(config, torch.device("cpu")).packed_gemm
+
+
+def test_fp32_gemms_take_onednn_on_a_cpu_not_intels_and_the_switch_forces_either(monkeypatch):
+    """MKL picks its code path by CPU vendor; oneDNN replaces its GEMMs above the panel kernel
+    elsewhere (precision.onednn_fp32_gemm), for fp32 weights only, and never in the batch-invariant mode."""
+    from charioteer.model.precision import onednn_fp32_gemm
+
+    cpu, onednn = torch.device("cpu"), torch.backends.mkldnn.is_available()
+    monkeypatch.delenv("CHARIOTEER_FP32_GEMM", raising=False)
+    assert onednn_fp32_gemm(cpu, vendor="AuthenticAMD") == onednn
+    assert not onednn_fp32_gemm(cpu, vendor="GenuineIntel") and not onednn_fp32_gemm(torch.device("cuda"), "AuthenticAMD")
+    monkeypatch.setenv("CHARIOTEER_FP32_GEMM", "mkl")
+    assert not onednn_fp32_gemm(cpu, vendor="AuthenticAMD")
+    monkeypatch.setenv("CHARIOTEER_FP32_GEMM", "onednn")
+    assert onednn_fp32_gemm(cpu, vendor="GenuineIntel") == onednn
+    config = ModelConfig(name="t", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1)
+    chosen = llama.Kernels.choose(config, cpu)
+    assert chosen.onednn_fp32 == onednn and not (chosen.onednn_fp32 and chosen.packed_gemm)
+    assert not llama.Kernels.choose(config, cpu, dtype=torch.bfloat16).onednn_fp32
+    assert not llama.Kernels.choose(config, cpu, quantized=True).onednn_fp32
+    assert not llama.Kernels.choose(config, cpu, batch_invariant=True).onednn_fp32
+    monkeypatch.setenv("CHARIOTEER_FP32_GEMM", "fast")
+    with pytest.raises(ValueError, match="auto, mkl, onednn"):
+        llama.Kernels.choose(config, cpu)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN only where torch has it")
+@pytest.mark.parametrize("rows", [1, 40, 300])
+def test_a_linear_on_onednn_equals_f_linear_in_fp32(rows):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(200, 96), torch.randn(rows, 96)
+    linear = llama.Linear(weight, pack=False, onednn=True)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="not both"):
+        llama.Linear(weight, pack=True, onednn=True)

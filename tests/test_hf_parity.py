@@ -164,9 +164,12 @@ def long_prompt(chat_llm, hf_model):
     return ids, torch.log_softmax(logits.double(), dim=-1)
 
 
+@pytest.mark.parametrize("fp32_gemm", ["mkl", "onednn"])  # above the panel kernel's rows (precision.onednn_fp32_gemm)
 @pytest.mark.parametrize("chunk_size", [256, 24], ids=["whole-prompt", "chunked"])
-def test_prompt_logprobs_match_hf(default_model, long_prompt, chunk_size):
+def test_prompt_logprobs_match_hf(default_model, long_prompt, chunk_size, fp32_gemm, monkeypatch):
+    monkeypatch.setenv("CHARIOTEER_FP32_GEMM", fp32_gemm)
     llm = LLM(default_model, scheduler="sarathi", chunk_size=chunk_size)
+    assert llm.engine.model.kernels.onednn_fp32 == (fp32_gemm == "onednn" and torch.backends.mkldnn.is_available())
     ids, hf_lp = long_prompt
     assert 80 <= len(ids) <= 140, len(ids)
     if chunk_size < len(ids):

@@ -472,8 +472,9 @@ def cmd_bench_peers(args) -> int:
     roofs = {dtype: roofline("cpu", dtype=peak_dtype(**PRECISION_SETTINGS[dtype])) for dtype in ("float32",) + dtypes}
     for roof in roofs.values():
         print(describe(roof), file=sys.stderr)
-    runs = len(engines) * ("A" in workloads or "B" in workloads) + len(set(engines) & set(C_ENGINES)) * ("C" in workloads)
-    with tqdm(total=runs * args.repeats * len(dtypes), desc="engine runs", file=sys.stderr, leave=False) as bar:
+    runs = sum(len(engine_dtypes(e, dtypes)) for e in engines) * ("A" in workloads or "B" in workloads)
+    runs += sum(len(engine_dtypes(e, dtypes)) for e in set(engines) & set(C_ENGINES)) * ("C" in workloads)
+    with tqdm(total=runs * args.repeats, desc="engine runs", file=sys.stderr, leave=False) as bar:
         result = run_peers(workloads, engines, args.quick, args.threads, args.vllm_python, args.cache_dir,
                            args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs,
                            args.vllm_token_budget, args.runs_file)

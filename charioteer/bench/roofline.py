@@ -81,7 +81,9 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
     weight, as the model's F.linear runs them: on AVX2, torch's bf16 `a @ b` on an untransposed
     [hidden, ffn] takes a path 60x slower than its bf16 F.linear). Widened bf16 times the model's
     path for large batches: the weight widened to fp32, then an fp32 GEMM, or where the CPU computes
-    bf16 (precision.native_bf16_gemm) torch's bf16 GEMM."""
+    bf16 (precision.native_bf16_gemm) torch's bf16 GEMM. fp32 takes the faster of MKL (F.linear) and
+    oneDNN on a reordered weight, as the model does (precision.onednn_fp32_gemm): on an AMD Zen 4,
+    MKL's sgemm ran at 0.8x oneDNN's rate."""
     import torch.nn.functional as F
 
     from charioteer.model.llama import bf16_runs_widened
@@ -94,8 +96,12 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.float32 if widened else _dtype(dtype))
         w = torch.randn(n, k, device=device, dtype=_dtype(dtype))
-        seconds = _best_time((lambda: F.linear(a, w.float())) if widened else (lambda: F.linear(a, w)), device, trials)
-        best = max(best, 2 * m * k * n / seconds)
+        calls = [(lambda: F.linear(a, w.float())) if widened else (lambda: F.linear(a, w))]
+        if dtype == "float32" and device.type == "cpu" and torch.backends.mkldnn.is_available():
+            reordered = torch.ops.mkldnn._reorder_linear_weight(w)
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, reordered, None, "none", [], None))
+        for call in calls:
+            best = max(best, 2 * m * k * n / _best_time(call, device, trials))
     return best
 
 

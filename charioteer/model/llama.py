@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
-                                        pack_native_bf16, quantize_int8)
+                                        onednn_fp32_gemm, pack_native_bf16, quantize_int8)
 from charioteer.runtime import tune_allocator
 
 
@@ -103,19 +103,24 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 
 class Linear:
     """y = x @ weight.T: the panel kernel up to cpu_kernels.max_rows() rows (32 on AVX-512, 128 on
-    AVX2), MKL's packed GEMM up to 64, else F.linear.
+    AVX2), MKL's packed GEMM up to 64, else F.linear; with `onednn` (precision.onednn_fp32_gemm),
+    oneDNN on a once-reordered weight above the panel kernel instead of MKL.
 
     Each path is used only where it is available (see cpu_kernels and packed_gemm_available).
     `invariant`: a row's bits must not depend on the other rows (charioteer.model.invariant): the
     panel kernel for any number of rows, or without it one GEMM per row.
     """
 
-    __slots__ = ("weight", "packed", "panels", "panel_rows", "invariant")
+    __slots__ = ("weight", "packed", "onednn", "panels", "panel_rows", "invariant")
 
-    def __init__(self, weight: torch.Tensor, pack: bool, panel_rows: int = 0, invariant: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, panel_rows: int = 0, invariant: bool = False,
+                 onednn: bool = False) -> None:
         """`panel_rows`: run the panel kernel for batches of 1 to this many rows (0: never)."""
+        if pack and onednn:
+            raise ValueError("a Linear runs MKL's packed GEMM or oneDNN's above the panel kernel, not both")
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if onednn else None
         self.panels = cpu_kernels.pack(weight) if panel_rows else None
         self.panel_rows = panel_rows
         self.invariant = invariant
@@ -130,6 +135,8 @@ class Linear:
             return cpu_kernels.linear(x, self.panels, self.weight.shape[0])
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
+        if self.onednn is not None and rows > 0:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, None, "none", [], None)
         return F.linear(x, self.weight)
 
     @property
@@ -346,6 +353,7 @@ class Kernels:
     tile_kernel: str | None = None
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
     amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
+    onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -362,13 +370,17 @@ class Kernels:
             raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
         if self.amx_int8_rows and not self.panel_rows:
             raise ValueError("amx_int8_rows runs int8 weights from the panel kernel's panels: it needs them")
+        if self.onednn_fp32 and (self.packed_gemm or self.invariant):
+            raise ValueError("onednn_fp32 replaces MKL's GEMMs outside the batch-invariant mode: not with "
+                             "packed_gemm or invariant")
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
                quantized: bool = False, batch_invariant: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
-        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0. All of them take fp32
+        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0, or oneDNN's in place of MKL's GEMMs where
+        precision.onednn_fp32_gemm prefers it (a CPU not Intel's). All of them take fp32
         activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
@@ -402,9 +414,11 @@ class Kernels:
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
+        fp32 = dtype == torch.float32 and not quantized
+        onednn = fp32 and onednn_fp32_gemm(device)
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
-                   packed_gemm=packed_gemm_available(device) and dtype == torch.float32 and not quantized,
+                   packed_gemm=packed_gemm_available(device) and fp32 and not onednn, onednn_fp32=onednn,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
@@ -599,7 +613,7 @@ class LlamaModel:
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.amx_int8_rows)
             if k.widened_bf16:
                 return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.tile_kernel)
-            return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None)
+            return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None, k.onednn_fp32)
 
         # The layers' linear weights live in their Linear (once, in its own format). Under native
         # bf16 GEMMs every product stays bf16 as the GEMM rounded it: RoPE, the KV store, SiLU and

@@ -33,6 +33,35 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or None where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return None
+
+
+FP32_GEMMS = ("auto", "mkl", "onednn")
+
+
+def onednn_fp32_gemm(device: torch.device, vendor: str | None = None) -> bool:
+    """Whether fp32 GEMMs above the panel kernel's rows run oneDNN on a once-reordered weight instead
+    of MKL (CHARIOTEER_FP32_GEMM=mkl|onednn, default auto: oneDNN on a CPU not Intel's). MKL picks its
+    code path by vendor: on an AMD Zen 4 its sgemm ran 0.5-0.9x oneDNN's speed on SmolLM2's and a
+    LLaMA-7B layer's shapes from 16 to 512 rows (`vendor`: default /proc/cpuinfo's)."""
+    setting = os.environ.get("CHARIOTEER_FP32_GEMM", "auto").strip().lower()
+    if setting not in FP32_GEMMS:
+        raise ValueError(f"CHARIOTEER_FP32_GEMM={setting} is none of {', '.join(FP32_GEMMS)}")
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or setting == "mkl":
+        return False
+    vendor = cpu_vendor() if vendor is None else vendor
+    return setting == "onednn" or (vendor is not None and vendor != "GenuineIntel")
+
+
 def cpu_flags() -> set[str] | None:
     """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
     try:
