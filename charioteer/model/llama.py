@@ -415,7 +415,7 @@ class Kernels:
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
         fp32 = dtype == torch.float32 and not quantized
-        onednn = fp32 and onednn_fp32_gemm(device)
+        onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and fp32 and not onednn, onednn_fp32=onednn,
