@@ -38,8 +38,8 @@ INT8_CHUNKED_LOGPROB_TOL = 1e-3
 INT8_CHUNKED_MEAN_LOGPROB_TOL = 1e-4
 # On AMX tiles (8 rows or more) int8's activations are rounded to bf16, so a difference in the last
 # fp32 bit may round an input to the next bf16 value, as in bf16: bf16's bound. Measured on a Xeon
-# with AMX on 728 tokens: 0.091.
-INT8_AMX_CHUNKED_LOGPROB_TOL = BF16_CHUNKED_LOGPROB_TOL
+# with AMX on 728 tokens: 0.091; bounded by bf16's earlier 0.3, which no int8 run has come near.
+INT8_AMX_CHUNKED_LOGPROB_TOL = 0.3
 # Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
 # measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
 # bf16 on the 24 prompts below, 16 tokens, Xeon with AMX: transformers bf16 agrees with our fp32 at

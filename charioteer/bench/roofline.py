@@ -87,7 +87,7 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
     import torch.nn.functional as F
 
     from charioteer.model.llama import bf16_runs_widened
-    from charioteer.model.precision import native_bf16_gemm
+    from charioteer.model.precision import native_bf16_gemm, onednn_linear, onednn_reorder
 
     device = torch.device(device)
     shapes = [(512, 4096, 11008), (1024, 4096, 4096)] if device.type == "cpu" else [(8192, 8192, 8192), (16384, 8192, 8192)]
@@ -98,8 +98,8 @@ def measure_peak_matmul_flops(device: torch.device, dtype: str = "float32", tria
         w = torch.randn(n, k, device=device, dtype=_dtype(dtype))
         calls = [(lambda: F.linear(a, w.float())) if widened else (lambda: F.linear(a, w))]
         if dtype == "float32" and device.type == "cpu" and torch.backends.mkldnn.is_available():
-            reordered = torch.ops.mkldnn._reorder_linear_weight(w)
-            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, reordered, None, "none", [], None))
+            reordered = onednn_reorder(w)
+            calls.append(lambda: onednn_linear(a, reordered))
         for call in calls:
             best = max(best, 2 * m * k * n / _best_time(call, device, trials))
     return best

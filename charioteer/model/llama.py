@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from charioteer.model import cpu_kernels, invariant
 from charioteer.model.config import ModelConfig
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
-                                        onednn_fp32_gemm, pack_native_bf16, quantize_int8)
+                                        onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
+                                        quantize_int8)
 from charioteer.runtime import tune_allocator
 
 
@@ -120,7 +121,7 @@ class Linear:
             raise ValueError("a Linear runs MKL's packed GEMM or oneDNN's above the panel kernel, not both")
         self.weight = weight
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_GEMM_MAX_ROWS) if pack else None
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if onednn else None
+        self.onednn = onednn_reorder(weight) if onednn else None
         self.panels = cpu_kernels.pack(weight) if panel_rows else None
         self.panel_rows = panel_rows
         self.invariant = invariant
@@ -136,7 +137,7 @@ class Linear:
         if self.packed is not None and 0 < rows <= PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, None, rows)
         if self.onednn is not None and rows > 0:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, None, "none", [], None)
+            return onednn_linear(x, self.onednn)
         return F.linear(x, self.weight)
 
     @property

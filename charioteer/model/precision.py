@@ -109,7 +109,17 @@ def pack_native_bf16(weight: torch.Tensor) -> torch.Tensor:
     SmolLM2's layers with AMX. CHARIOTEER_ONEDNN_PACK=0 keeps it plain."""
     if weight.device.type != "cpu" or not onednn_packs_bf16():
         return weight
+    return onednn_reorder(weight)
+
+
+def onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] reordered once into oneDNN's blocked layout (an opaque tensor), for `onednn_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def onednn_linear(x: torch.Tensor, reordered: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN, in x's dtype, for a weight from `onednn_reorder`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), reordered, None, "none", [], None)
 
 
 def onednn_packs_bf16() -> bool:
@@ -122,7 +132,7 @@ def onednn_packs_bf16() -> bool:
 def native_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in bf16 for x bf16 [rows, in] and a weight from `pack_native_bf16`."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], None)
+        return onednn_linear(x, weight)
     return torch.nn.functional.linear(x, weight)
 
 
