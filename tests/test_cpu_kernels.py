@@ -564,6 +564,71 @@ def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
         cpu_kernels.amx_prefill_attention(*(torch.zeros(4, 2, 48).bfloat16() for _ in range(3)), 0, 0.125)
 
 
+@each_isa
+def test_prefill_attention_is_causal_attention_in_fp32(isa):
+    """prefill_attention against causal attention in fp64 on the same inputs: fp32 q, K, V and out
+    within fp32's rounding; bf16 K and V (the widened cache) and q widened exactly, so as close to
+    the fp64 result on them; bf16 out is the fp32 out rounded. GQA and plain heads, head sizes 64
+    and 128, chunks of 1 to 130 tokens at the start of a prompt or deep in it, strided rows in and out."""
+    torch.manual_seed(0)
+    for heads, kv_heads, dim in ((9, 3, 64), (4, 4, 128), (8, 2, 64)):
+        for start, n in ((0, 1), (0, 17), (5, 1), (100, 7), (0, 130), (200, 48), (1000, 33)):
+            keys = start + n
+            q = torch.randn(n, heads + 2, dim)[:, 1:heads + 1]  # rows (heads + 2) * dim apart
+            k, v = (torch.randn(keys, kv_heads, dim) for _ in range(2))
+            for dtype in (torch.float32, torch.bfloat16):
+                qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+                reference = _causal_attention(qd.double(), kd.double(), vd.double(), start)
+                wide = torch.full((n, heads + 1, dim), float("nan"))
+                out = cpu_kernels.prefill_attention(qd, kd, vd, start, dim ** -0.5, out=wide[:, :heads], isa=isa)
+                assert torch.isnan(wide[:, heads]).all(), "wrote past its rows"
+                assert (out.double() - reference).abs().max().item() < 2e-6, (heads, kv_heads, dim, start, n, dtype)
+                narrow = torch.empty(q.shape).bfloat16()
+                cpu_kernels.prefill_attention(qd, kd, vd, start, dim ** -0.5, out=narrow, isa=isa)
+                assert torch.equal(narrow, out.bfloat16())
+    with pytest.raises(RuntimeError, match="start \\+ the chunk's tokens"):
+        cpu_kernels.prefill_attention(q, k[:-1], v[:-1], start, 0.125, isa=isa)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple"):
+        cpu_kernels.prefill_attention(*(torch.zeros(4, 2, 48) for _ in range(3)), 0, 0.125, isa=isa)
+    with pytest.raises(RuntimeError, match="k and v must be alike"):
+        cpu_kernels.prefill_attention(q, k, v.bfloat16(), start, 0.125, isa=isa)
+
+
+def _causal_attention(q, k, v, start):
+    n, keys = q.shape[0], k.shape[0]
+    mask = torch.arange(keys)[None, :] <= torch.arange(start, start + n)[:, None]
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def test_prompt_chunks_attend_in_the_vector_kernel_unless_amx_tiles_or_its_switch_say_otherwise(monkeypatch):
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import Kernels
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
+                         num_kv_heads=3)
+    cpu = torch.device("cpu")
+    for env in ("CHARIOTEER_VECTOR_ATTENTION", "CHARIOTEER_CPU_KERNELS", "CHARIOTEER_AMX", "CHARIOTEER_BF16_COMPUTE"):
+        monkeypatch.delenv(env, raising=False)
+    chosen = Kernels.choose(config, cpu)
+    assert chosen.vector_attention == cpu_kernels.available()
+    assert Kernels.choose(config, cpu, quantized=True).vector_attention == cpu_kernels.available()
+    assert not Kernels.choose(config, cpu, batch_invariant=True).vector_attention  # one query at a time there
+    bf16 = Kernels.choose(config, cpu, torch.bfloat16)
+    # widened bf16 attends on its bf16 cache in fp32, except where AMX computes bf16 (SDPA in bf16, or the tiles)
+    assert bf16.vector_attention == (bf16.widened_bf16 and bf16.tile_kernel != "amx")
+    assert not (bf16.vector_attention and bf16.amx_attention)
+    monkeypatch.setenv("CHARIOTEER_VECTOR_ATTENTION", "0")
+    assert Kernels.choose(config, cpu) == dataclasses.replace(chosen, vector_attention=False)
+    monkeypatch.setenv("CHARIOTEER_VECTOR_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="neither 0 nor 1"):
+        Kernels.choose(config, cpu)
+    with pytest.raises(ValueError, match="not both"):
+        Kernels(panel_rows=32, packed_gemm=False, row_ops=True, decode_attention=True, decode_layers=False,
+                widened_bf16=True, native_bf16_rows=9, amx_attention=True, vector_attention=True)
+
+
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
 def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(monkeypatch):
     from charioteer.model.config import ModelConfig

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from charioteer import LLM, SamplingParams
+from charioteer.model import cpu_kernels
 from charioteer.model.llama import ForwardInput, KVCache, LlamaModel, PrefillSpan
 from charioteer.model.loader import load_model, save_hf_dir
 
@@ -164,12 +165,16 @@ def long_prompt(chat_llm, hf_model):
     return ids, torch.log_softmax(logits.double(), dim=-1)
 
 
-@pytest.mark.parametrize("fp32_gemm", ["mkl", "onednn"])  # above the panel kernel's rows (precision.onednn_fp32_gemm)
+# The GEMM above the panel kernel's rows (precision.onednn_fp32_gemm), and the prompt chunks' attention
+# (the CPU kernels' vector attention, or torch's SDPA).
+@pytest.mark.parametrize("fp32_gemm, attention", [("mkl", "vector"), ("onednn", "vector"), ("onednn", "sdpa")])
 @pytest.mark.parametrize("chunk_size", [256, 24], ids=["whole-prompt", "chunked"])
-def test_prompt_logprobs_match_hf(default_model, long_prompt, chunk_size, fp32_gemm, monkeypatch):
+def test_prompt_logprobs_match_hf(default_model, long_prompt, chunk_size, fp32_gemm, attention, monkeypatch):
     monkeypatch.setenv("CHARIOTEER_FP32_GEMM", fp32_gemm)
+    monkeypatch.setenv("CHARIOTEER_VECTOR_ATTENTION", "1" if attention == "vector" else "0")
     llm = LLM(default_model, scheduler="sarathi", chunk_size=chunk_size)
     assert llm.engine.model.kernels.onednn_fp32 == (fp32_gemm == "onednn" and torch.backends.mkldnn.is_available())
+    assert llm.engine.model.kernels.vector_attention == (attention == "vector" and cpu_kernels.available())
     ids, hf_lp = long_prompt
     assert 80 <= len(ids) <= 140, len(ids)
     if chunk_size < len(ids):

@@ -245,6 +245,20 @@ def test_matmul_sweep_reports_plain_and_packed_gemm():
     assert all(r["engine_gemm"] in ("panel", "packed", "plain") for r in rows)
 
 
+def test_prefill_attention_sweep_times_every_backend_on_every_shape():
+    from charioteer.bench.roofline import ATTENTION_SHAPES, prefill_attention_sweep
+    from charioteer.model import cpu_kernels
+
+    rows = prefill_attention_sweep("float32", repeats=2)
+    backends = (["sdpa"] + [f"vector ({cpu_kernels.chosen_isa()})"] * cpu_kernels.available()
+                + ["amx tiles"] * cpu_kernels.amx_available())
+    shapes = [(model, n, start) for model, _, _, _, chunks in ATTENTION_SHAPES for n, start in chunks]
+    expected = [shape + (backend,) for shape in shapes for backend in backends]
+    assert [(r["model"], r["tokens"], r["start"], r["backend"]) for r in rows] == expected
+    assert all(r["ms_spread"][0] <= r["ms"] <= r["ms_spread"][1] and r["gflops"] > 0 for r in rows)
+    assert all(r["sdpa_over"] == 1 for r in rows if r["backend"] == "sdpa")
+
+
 def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     from charioteer.bench.roofline import decode_gemm_stream
 

@@ -132,7 +132,7 @@ def cmd_tile(args) -> int:
 
 
 def cmd_roofline(args) -> int:
-    from charioteer.bench.roofline import decode_gemm_stream, describe, matmul_sweep, observe
+    from charioteer.bench.roofline import decode_gemm_stream, describe, matmul_sweep, observe, prefill_attention_sweep
 
     roof = prepare_device(args)
     extra, sections, rates = {}, [], []
@@ -153,6 +153,13 @@ def cmd_roofline(args) -> int:
                         f"(weights streamed from memory), median [min, max] of {args.repeats} interleaved rounds:\n"
                         + format_table(extra["decode_gemm_stream"],
                                        ["backend", "ms", "weight_gbs", "gflops", "weight_mb", "lm_head_ms", "lm_head_gbs"]))
+    if args.attention:
+        check_repeats(args.repeats)
+        extra["prefill_attention"] = prefill_attention_sweep(roof["dtype"], repeats=args.repeats)
+        sections.append(f"A prompt chunk's attention in {roof['dtype']} per backend, median [min, max] of "
+                        f"{args.repeats} interleaved rounds (sdpa_over: SDPA's median time over the backend's):\n"
+                        + format_table(extra["prefill_attention"],
+                                       ["model", "tokens", "start", "backend", "ms", "gflops", "sdpa_over"]))
     # A rate the sweeps observe above the peak of the dtype it computed in raises that peak (a measured rate
     # is a lower bound); the matmul sweep and all but the bf16 backends of the decode stream compute in fp32.
     if rates and observe(roof, max(rates) * 1e9):
@@ -305,7 +312,11 @@ def _add_roofline(bench_sub) -> None:
                    help="also time a LLaMA-7B-shaped matmul by batch rows, plain and packed GEMM")
     p.add_argument("--decode-stream", action="store_true",
                    help="also time one decode step's linear layers of SmolLM2-135M per GEMM backend")
+    p.add_argument("--attention", action="store_true",
+                   help="also time a prompt chunk's attention per backend (SDPA, the CPU kernels) at SmolLM2's and "
+                        "LLaMA-7B's head shapes")
     p.add_argument("--rows", type=int, default=16, help="batch rows of --decode-stream's step (default 16)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="--decode-stream's interleaved rounds, every backend once per round (default 5)")
+                   help="--decode-stream's and --attention's interleaved rounds, every backend once per round "
+                        "(default 5)")
     p.set_defaults(func=cmd_roofline)

@@ -462,6 +462,57 @@ def _stream_backends(device: torch.device, rows: int) -> list[tuple]:
     return out
 
 
+# (name, query heads, KV heads, head_dim, [(chunk tokens, start position)]) of bench roofline --attention
+ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((37, 300), (128, 896), (256, 0), (256, 768), (512, 0), (512, 512))),
+                    ("LLaMA-7B", 32, 32, 128, ((17, 238), (49, 0), (49, 196), (256, 0))))
+
+
+def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[dict]:
+    """A prompt chunk's attention per backend the engine may run it on (the model's `_prefill_attention`):
+    torch's SDPA as the engine calls it (causal for a first chunk, an explicit mask after), the CPU
+    kernels' fp32 vectors, and AMX tiles where they run; q, K and V random in `dtype` (the AMX kernel's
+    q in bf16). `repeats` interleaved rounds after one warm-up round; per shape and backend the median
+    time with its spread, and GFLOP/s of the causal pairs (4 x heads x dim FLOPs each)."""
+    import torch.nn.functional as F
+
+    from charioteer.model import cpu_kernels
+
+    def sdpa(q, k, v, start):
+        n, keys = q.shape[0], k.shape[0]
+        mask = None if start == 0 else torch.ones(n, keys, dtype=torch.bool).tril(start)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=start == 0, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    backends = {"sdpa": sdpa}
+    if cpu_kernels.available():
+        backends[f"vector ({cpu_kernels.chosen_isa()})"] = (
+            lambda q, k, v, start: cpu_kernels.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5))
+    if cpu_kernels.amx_available():
+        backends["amx tiles"] = lambda q, k, v, start: cpu_kernels.amx_prefill_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), start, q.shape[-1] ** -0.5)
+    out = []
+    for model, heads, kv_heads, dim, chunks in ATTENTION_SHAPES:
+        for n, start in chunks:
+            q = torch.randn(n, heads, dim).to(DTYPES[dtype])
+            k, v = (torch.randn(start + n, kv_heads, dim).to(DTYPES[dtype]) for _ in range(2))
+            runs = {name: (lambda fn=fn: _clocked(lambda: fn(q, k, v, start))) for name, fn in backends.items()}
+            samples = interleaved(runs, repeats, warmup=1)
+            flops = 4 * heads * dim * (n * start + n * (n + 1) / 2)
+            for name, times in samples.items():
+                t = median(times)
+                out.append({"model": model, "tokens": n, "start": start, "backend": name, "ms": _sig3(t * 1e3),
+                            "ms" + SPREAD: [_sig3(x * 1e3) for x in spread(times)], "gflops": _sig3(flops / t / 1e9),
+                            "sdpa_over": _sig3(median(samples["sdpa"]) / t)})
+    return out
+
+
+def _clocked(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def describe(r: dict) -> str:
     ident = r.get("identity") or {}
     where = ", ".join(str(x) for x in (

@@ -209,6 +209,17 @@ def amx_attention_enabled(config: ModelConfig) -> bool:
     return config.head_dim == 64 and config.num_heads // config.num_kv_heads >= AMX_ATTENTION_MIN_GROUP
 
 
+def vector_attention_enabled() -> bool:
+    """Whether prompt chunks may attend in cpu_kernels.prefill_attention (fp32 vectors) instead of torch's
+    SDPA: CHARIOTEER_VECTOR_ATTENTION=1 (the default) or 0. Against SDPA on a 2-core Zen 4, SmolLM2's
+    chunks of 37-512 at positions 0-896 ran 1.4-2.4x faster, in fp32 and on a bf16 cache, and a LLaMA-7B
+    layer's (32 heads, dim 128) chunks of 17-256 0.96-1.7x (`charioteer bench roofline --attention`)."""
+    setting = os.environ.get("CHARIOTEER_VECTOR_ATTENTION", "1").strip()
+    if setting not in ("0", "1"):
+        raise ValueError(f"CHARIOTEER_VECTOR_ATTENTION={setting} is neither 0 nor 1")
+    return setting == "1"
+
+
 class NarrowLinear:
     """y = x @ w.T with w stored narrower than x and widened to fp32 in the panel kernel's registers,
     so a memory-bound call reads a quarter (int8) or half (bf16) of fp32's bytes; for more than
@@ -355,6 +366,7 @@ class Kernels:
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
     amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
     onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
+    vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -371,6 +383,8 @@ class Kernels:
             raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
         if self.amx_int8_rows and not self.panel_rows:
             raise ValueError("amx_int8_rows runs int8 weights from the panel kernel's panels: it needs them")
+        if self.vector_attention and self.amx_attention:
+            raise ValueError("prompt chunks attend on AMX tiles or in the vector kernel, not both")
         if self.onednn_fp32 and (self.packed_gemm or self.invariant):
             raise ValueError("onednn_fp32 replaces MKL's GEMMs outside the batch-invariant mode: not with "
                              "packed_gemm or invariant")
@@ -393,6 +407,8 @@ class Kernels:
         AVX512_BF16_MAX_ROWS.
         int8 weights (fp32 activations) run batches of AMX_INT8_MIN_ROWS rows or more on AMX tiles where
         the CPU has them (`amx_int8_rows`, cpu_kernels.amx_int8_unavailable_reason), fewer on the panel kernel.
+        Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
+        int8 and widened bf16, except where AMX tiles compute bf16.
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
@@ -417,13 +433,17 @@ class Kernels:
         amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
         fp32 = dtype == torch.float32 and not quantized
         onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
+        amx_attention = amx and amx_attention_enabled(config)
+        # fp32 or widened bf16; where AMX computes bf16, its tiles or SDPA in bf16 stay (_prefill_attention): the
+        # vector kernel has not been measured against them on such a CPU
+        vector = vector_attention_enabled() and native and decode_attention and not amx
         return cls(panel_rows=panel_rows, row_ops=native and row_ops,
                    decode_attention=(native or torch_bf16) and decode_attention,
                    packed_gemm=packed_gemm_available(device) and fp32 and not onednn, onednn_fp32=onednn,
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
-                   amx_attention=amx and amx_attention_enabled(config),
+                   amx_attention=amx_attention, vector_attention=vector,
                    amx_int8_rows=AMX_INT8_MIN_ROWS if amx_int8 else 0)
 
     def small_batch_rows(self, quantized: bool) -> int:
@@ -771,6 +791,10 @@ class LlamaModel:
             ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
             cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, span.start_pos, c.head_dim ** -0.5,
                                               out[rows])
+            return
+        if self.kernels.vector_attention:  # q, the cache and out as they are, fp32 or bf16, computed in fp32
+            ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
+            cpu_kernels.prefill_attention(q[rows], ks, vs, span.start_pos, c.head_dim ** -0.5, out[rows])
             return
         # widened bf16 on a CPU with bf16 arithmetic attends in bf16, as its GEMMs run: on AMX, SDPA in
         # bf16 takes half the time of fp32 SDPA on a widened copy of the cache
