@@ -534,14 +534,14 @@ def _causal_attention_fp32(q, k, v, start):
     return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
 
 
-@each_isa
-@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
-def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
-    """amx_prefill_attention against fp32 attention on the same bf16 inputs, for GQA and plain heads,
-    head sizes 32-128, chunks that fill no tile or several, at the start of a prompt or deep in it,
-    strided rows in and out: no further from it than torch's SDPA in bf16 (the path it replaces)."""
+def _within_sdpas_bf16_error(attend, head_shapes) -> tuple:
+    """`attend(q, k, v, start, scale, out)` against fp32 attention on the same bf16 inputs, for
+    `head_shapes` (heads, KV heads, head size), chunks that fill no tile or several, at the start of
+    a prompt or deep in it, strided rows in and out: no further from it than torch's SDPA in bf16 (the
+    path it replaces); with out=None, a bf16 result equal to the fp32 one rounded. Returns the last
+    (q, k, v, start)."""
     torch.manual_seed(0)
-    for heads, kv_heads, dim in ((9, 3, 64), (4, 4, 128), (4, 2, 32)):
+    for heads, kv_heads, dim in head_shapes:
         for start, n in ((0, 1), (0, 17), (5, 1), (100, 7), (0, 130), (200, 48), (1000, 33)):
             keys = start + n
             q = torch.randn(n, heads + 2, dim).bfloat16()[:, 1:heads + 1]  # rows (heads + 2) * dim apart
@@ -553,15 +553,39 @@ def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
                 enable_gqa=True)[0].transpose(0, 1).float()
             bound = max(1.5 * (sdpa - reference).abs().max().item(), 1e-3)
             wide = torch.full((n, heads + 1, dim), float("nan"))
-            out = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, out=wide[:, :heads], isa=isa)
+            out = attend(q, k, v, start, dim ** -0.5, wide[:, :heads])
             assert torch.isnan(wide[:, heads]).all(), "wrote past its rows"
             assert (out - reference).abs().max().item() <= bound, (heads, kv_heads, dim, start, n)
-            as_bf16 = cpu_kernels.amx_prefill_attention(q, k, v, start, dim ** -0.5, isa=isa)
+            as_bf16 = attend(q, k, v, start, dim ** -0.5, None)
             assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, out.bfloat16())
+    return q, k, v, start
+
+
+@each_isa
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
+    def attend(q, k, v, start, scale, out):
+        return cpu_kernels.amx_prefill_attention(q, k, v, start, scale, out=out, isa=isa)
+
+    q, k, v, start = _within_sdpas_bf16_error(attend, ((9, 3, 64), (4, 4, 128), (4, 2, 32)))
     with pytest.raises(RuntimeError, match="start \\+ the chunk's tokens"):
         cpu_kernels.amx_prefill_attention(q, k[:-1], v[:-1], start, 0.125)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_kernels.amx_prefill_attention(*(torch.zeros(4, 2, 48).bfloat16() for _ in range(3)), 0, 0.125)
+
+
+@pytest.mark.skipif(cpu_kernels.avx512_bf16_unavailable_reason() is not None,
+                    reason=f"AVX512-BF16: {cpu_kernels.avx512_bf16_unavailable_reason()}")
+def test_prefill_attention_on_bf16_products_is_within_sdpas_bf16_error():
+    def attend(q, k, v, start, scale, out):
+        return cpu_kernels.prefill_attention(q, k, v, start, scale, out=out, bf16_products=True, isa="avx512")
+
+    q, k, v, start = _within_sdpas_bf16_error(attend, ((9, 3, 64), (4, 4, 128), (8, 2, 64)))
+    with pytest.raises(RuntimeError, match="bf16 products take bf16 K and V"):
+        cpu_kernels.prefill_attention(q, k.float(), v.float(), start, 0.125, bf16_products=True, isa="avx512")
+    if cpu_kernels.load_reason("avx2") is None:
+        with pytest.raises(RuntimeError, match="avx512 build only"):
+            cpu_kernels.prefill_attention(q, k, v, start, 0.125, bf16_products=True, isa="avx2")
 
 
 @each_isa

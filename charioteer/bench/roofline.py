@@ -470,8 +470,8 @@ ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((37, 300), (128, 896), (256, 0),
 def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[dict]:
     """A prompt chunk's attention per backend the engine may run it on (the model's `_prefill_attention`):
     torch's SDPA as the engine calls it (causal for a first chunk, an explicit mask after), the CPU
-    kernels' fp32 vectors, and AMX tiles where they run; q, K and V random in `dtype` (the AMX kernel's
-    q in bf16). `repeats` interleaved rounds after one warm-up round; per shape and backend the median
+    kernels' vectors in fp32 products, and in bf16 products for bf16 where AVX512-BF16 runs, and AMX
+    tiles where they run; q, K and V random in `dtype` (the AMX kernel's q in bf16). `repeats` interleaved rounds after one warm-up round; per shape and backend the median
     time with its spread, and GFLOP/s of the causal pairs (4 x heads x dim FLOPs each)."""
     import torch.nn.functional as F
 
@@ -488,6 +488,9 @@ def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[di
     if cpu_kernels.available():
         backends[f"vector ({cpu_kernels.chosen_isa()})"] = (
             lambda q, k, v, start: cpu_kernels.prefill_attention(q, k, v, start, q.shape[-1] ** -0.5))
+    if dtype == "bfloat16" and cpu_kernels.avx512_bf16_unavailable_reason() is None:
+        backends["vector bf16 products"] = lambda q, k, v, start: cpu_kernels.prefill_attention(
+            q, k, v, start, q.shape[-1] ** -0.5, bf16_products=True, isa="avx512")
     if cpu_kernels.amx_available():
         backends["amx tiles"] = lambda q, k, v, start: cpu_kernels.amx_prefill_attention(
             q.bfloat16(), k.bfloat16(), v.bfloat16(), start, q.shape[-1] ** -0.5)

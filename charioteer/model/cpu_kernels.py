@@ -405,14 +405,18 @@ def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-                      out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """Causal attention of a prompt chunk in fp32 vectors, any build: q [n, heads, dim], query i at
+                      out: torch.Tensor | None = None, bf16_products: bool = False,
+                      isa: str | None = None) -> torch.Tensor:
+    """Causal attention of a prompt chunk in vectors, any build: q [n, heads, dim], query i at
     position start + i, against k and v [start + n, kv_heads, dim] (rows may be strided), each query
     seeing the keys up to its own position. Each of q, k/v and out is fp32 or bf16 (widened exactly,
-    computed in fp32, rounded once on output). Writes `out` (default a new tensor like q) and returns it."""
+    computed in fp32, rounded once on output). With `bf16_products` (the avx512 build where
+    avx512_bf16_unavailable_reason() is None; bf16 k and v), q and the softmax's weights are rounded to
+    bf16 and the products taken with AVX512-BF16, as SDPA computes in bf16. Writes `out` (default a new
+    tensor like q) and returns it."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _kernels(isa).prefill_attention(q, k, v, start, scale, out)
+    _kernels(isa).prefill_attention(q, k, v, start, scale, out, bf16_products)
     return out
 
 

@@ -361,7 +361,8 @@ class Kernels:
     widened_bf16: bool = False  # bf16 weights and KV cache widened to fp32 activations in the kernels
     native_bf16_rows: int = 0  # widened bf16: torch's bf16 GEMM (AMX) from this many rows, and bf16 prefill attention (0: neither)
     # with native_bf16_rows: the weights in amx_pack's order, and the rows below them on cpu_kernels.amx_linear
-    # ("amx") or cpu_kernels.avx512_bf16_linear ("avx512_bf16") instead of the panel kernel (None)
+    # ("amx") or cpu_kernels.avx512_bf16_linear ("avx512_bf16") instead of the panel kernel (None); with
+    # "avx512_bf16", vector_attention's products are bf16 too
     tile_kernel: str | None = None
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
     amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
@@ -792,9 +793,11 @@ class LlamaModel:
             cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, span.start_pos, c.head_dim ** -0.5,
                                               out[rows])
             return
-        if self.kernels.vector_attention:  # q, the cache and out as they are, fp32 or bf16, computed in fp32
+        if self.kernels.vector_attention:  # q, the cache and out as they are, fp32 or bf16
             ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
-            cpu_kernels.prefill_attention(q[rows], ks, vs, span.start_pos, c.head_dim ** -0.5, out[rows])
+            # in bf16 products where widened bf16's GEMMs take them from AVX512-BF16, as SDPA in bf16 would
+            cpu_kernels.prefill_attention(q[rows], ks, vs, span.start_pos, c.head_dim ** -0.5, out[rows],
+                                          bf16_products=self.kernels.tile_kernel == "avx512_bf16")
             return
         # widened bf16 on a CPU with bf16 arithmetic attends in bf16, as its GEMMs run: on AMX, SDPA in
         # bf16 takes half the time of fp32 SDPA on a widened copy of the cache

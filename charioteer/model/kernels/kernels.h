@@ -43,10 +43,11 @@ torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panel
 // k, v bf16 [start + n, kv_heads, dim], causal; writes out [n, heads, dim] (fp32 or bf16; rows may be strided).
 void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                            double scale, torch::Tensor& out);
-// The same attention in fp32 vectors (prefill_attention.cpp), for any build: q, k, v and out fp32 or bf16
-// (k and v alike), computed in fp32.
+// The same attention in vectors (prefill_attention.cpp): q, k, v and out fp32 or bf16 (k and v alike),
+// computed in fp32, or with `bf16_products` (the AVX-512 build, a CPU with AVX512-BF16, bf16 k and v) on
+// bf16 products as SDPA in bf16.
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
-                       double scale, torch::Tensor& out);
+                       double scale, torch::Tensor& out, bool bf16_products = false);
 
 // Every layer of a decode-only batch in one call (decode_layers.cpp).
 class DecodeLayers {
