@@ -25,10 +25,11 @@ SDPA run such small shapes.
   for CPUs that have it but no AMX (Zen 4; `avx512_bf16_unavailable_reason`, CHARIOTEER_AVX512_BF16=0
   turns it off): 1.2-1.5x faster than oneDNN's bf16 GEMM on SmolLM2's layers from 1 to 16 rows, as
   fast at 256 (llama.AVX512_BF16_MAX_ROWS).
-- `prefill_attention`: a prompt chunk's causal attention (flash attention in fp32 vectors, K packed
-  per call, V read in place; fp32 or bf16 in and out): each block of 16 queries reads only the keys
-  it sees. SmolLM2's chunks 1.4-2.4x faster than torch's SDPA on a Zen 4 (`charioteer bench roofline
-  --attention`; CHARIOTEER_VECTOR_ATTENTION=0 keeps SDPA).
+- `prefill_attention`: a prompt chunk's causal attention (flash attention in vectors, K packed per
+  call; fp32 or bf16 in and out, computed in fp32 or, with AVX512-BF16, in bf16 products): each
+  block of 16 queries reads only the keys it sees. SmolLM2's chunks 1.4-2.4x faster than torch's
+  SDPA in fp32 on a Zen 4, 2-4x in bf16 (`charioteer bench roofline --attention`;
+  CHARIOTEER_VECTOR_ATTENTION=0 keeps SDPA).
 - `amx_linear_int8`: int8 weights on the same tiles, widened to bf16 as they are used
   (`amx_int8_unavailable_reason`; CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel).
 
