@@ -115,10 +115,7 @@ void softmax_row(Block& b, int64_t i, int64_t valid, int64_t width, float scale)
     b.rescale[i] = 1.f;
     return;
   }
-  const Vec lowest = vset1(-std::numeric_limits<float>::infinity());
-  Vec top = lowest;
-  for (int64_t c = 0; c < valid; c += kLanes) top = vmax(top, vload_n_or(s + c, valid - c, lowest));
-  const float peak = std::max(b.max[i], vmax_of(top) * scale);
+  const float peak = running_max(s, valid, b.max[i], scale);
   const Vec shift = vset1(-peak), factor = vset1(scale);
   Vec total = vzero();
   int64_t c = 0;

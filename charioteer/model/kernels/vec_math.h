@@ -4,7 +4,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX512F__)
 
@@ -152,6 +154,15 @@ inline Vec vload_row_n(const float* p, int64_t n) { return vload_n(p, n); }
 inline Vec vload_row_n(const uint16_t* p, int64_t n) { return vload_bf16_n(p, n); }
 inline void vstore_row_n(float* p, Vec v, int64_t n) { vstore_n(p, v, n); }
 inline void vstore_row_n(uint16_t* p, Vec v, int64_t n) { vstore_bf16_n(p, v, n); }
+
+// An online softmax's new running maximum: the larger of `running` and the largest of s[0, valid)
+// times `scale` (> 0, so the largest score scales to the largest scaled one).
+inline float running_max(const float* s, int64_t valid, float running, float scale) {
+  const Vec lowest = vset1(-std::numeric_limits<float>::infinity());
+  Vec top = lowest;
+  for (int64_t c = 0; c < valid; c += kLanes) top = vmax(top, vload_n_or(s + c, valid - c, lowest));
+  return std::max(running, vmax_of(top) * scale);
+}
 
 // e^x: Cephes' expf range reduction and polynomial (about 1 ulp). x is clamped to
 // [-87.3, 88.37] so that 2^n stays a normal float; very negative scores give a tiny positive
