@@ -471,8 +471,9 @@ def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[di
     """A prompt chunk's attention per backend the engine may run it on (the model's `_prefill_attention`):
     torch's SDPA as the engine calls it (causal for a first chunk, an explicit mask after), the CPU
     kernels' vectors in fp32 products, and in bf16 products for bf16 where AVX512-BF16 runs, and AMX
-    tiles where they run; q, K and V random in `dtype` (the AMX kernel's q in bf16). `repeats` interleaved rounds after one warm-up round; per shape and backend the median
-    time with its spread, and GFLOP/s of the causal pairs (4 x heads x dim FLOPs each)."""
+    tiles where they run; q, K and V random in `dtype` (the AMX kernel's q in bf16). `repeats`
+    interleaved rounds after one warm-up round; per shape and backend the median time with its
+    spread, and GFLOP/s of the causal pairs (4 x heads x dim FLOPs each)."""
     import torch.nn.functional as F
 
     from charioteer.model import cpu_kernels

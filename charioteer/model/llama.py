@@ -210,10 +210,11 @@ def amx_attention_enabled(config: ModelConfig) -> bool:
 
 
 def vector_attention_enabled() -> bool:
-    """Whether prompt chunks may attend in cpu_kernels.prefill_attention (fp32 vectors) instead of torch's
+    """Whether prompt chunks may attend in cpu_kernels.prefill_attention (vectors) instead of torch's
     SDPA: CHARIOTEER_VECTOR_ATTENTION=1 (the default) or 0. Against SDPA on a 2-core Zen 4, SmolLM2's
-    chunks of 37-512 at positions 0-896 ran 1.4-2.4x faster, in fp32 and on a bf16 cache, and a LLaMA-7B
-    layer's (32 heads, dim 128) chunks of 17-256 0.96-1.7x (`charioteer bench roofline --attention`)."""
+    chunks of 37-512 at positions 0-896 ran 1.4-2.4x faster in fp32 and 2.0-4.0x in bf16 (bf16 products),
+    a LLaMA-7B layer's (32 heads, dim 128) chunks of 17-256 0.95-1.7x and 1.1-2.5x (`charioteer bench
+    roofline --attention`, BENCHMARKS.md)."""
     setting = os.environ.get("CHARIOTEER_VECTOR_ATTENTION", "1").strip()
     if setting not in ("0", "1"):
         raise ValueError(f"CHARIOTEER_VECTOR_ATTENTION={setting} is neither 0 nor 1")
