@@ -58,16 +58,18 @@ def _sig3(value: float) -> float:
     return float(f"{value:.3g}")
 
 
+def _clocked(fn, device: torch.device = torch.device("cpu")) -> float:
+    """Seconds one call of fn takes, its device work included."""
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _best_time(fn, device: torch.device, repeats: int) -> float:
     fn()
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min((_clocked(fn, device) for _ in range(repeats)), default=float("inf"))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -140,20 +142,12 @@ def measure_memory_bandwidth(device: torch.device, dtype: str = "float32", trial
 
 
 def _cpuinfo() -> tuple[str | None, list[str]]:
-    """(model name, relevant feature flags) from /proc/cpuinfo; (None, []) where there is none."""
-    name, flags = None, []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key == "model name" and name is None:
-                    name = value.strip()
-                elif key in ("flags", "features") and not flags:
-                    flags = value.split()
-    except OSError:
-        pass
-    return name, [f for f in CPU_FEATURES if f in set(flags)]
+    """(model name, relevant feature flags: x86's "flags" or Arm's "Features") from /proc/cpuinfo;
+    (None, []) where there is none."""
+    from charioteer.model.precision import cpuinfo_field
+
+    flags = set((cpuinfo_field("flags") or cpuinfo_field("Features") or "").split())
+    return cpuinfo_field("model name"), [f for f in CPU_FEATURES if f in flags]
 
 
 def cpu_model() -> str:
@@ -389,16 +383,10 @@ def decode_gemm_stream(device: str | torch.device = "cpu", rows: int = 16, layer
     lm_head = torch.randn(vocab, h, device=device) * 0.02
     lm_input = torch.randn(rows, h, device=device)
 
-    def clock(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        return time.perf_counter() - start
-
     def run(prepare, call):
         prepared, head = [prepare(w) for w in weights], prepare(lm_head)
-        return lambda: (clock(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)]),
-                        clock(lambda: call(lm_input, head, lm_head)))
+        return lambda: (_clocked(lambda: [call(inputs[w.shape[1]], p, w) for p, w in zip(prepared, weights)], device),
+                        _clocked(lambda: call(lm_input, head, lm_head), device))
 
     backends = _stream_backends(device, rows)
     samples = interleaved({name: run(prepare, call) for name, prepare, call, _, _ in backends}, repeats, warmup=1)
@@ -509,12 +497,6 @@ def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[di
                             "ms" + SPREAD: [_sig3(x * 1e3) for x in spread(times)], "gflops": _sig3(flops / t / 1e9),
                             "sdpa_over": _sig3(median(samples["sdpa"]) / t)})
     return out
-
-
-def _clocked(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def describe(r: dict) -> str:

@@ -33,21 +33,22 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names
 
 
-def _cpuinfo_field(name: str) -> str | None:
-    """The first `name : value` line's value in /proc/cpuinfo, or None where there is none (not Linux)."""
+def cpuinfo_field(name: str) -> str | None:
+    """The value of the first `name : value` line in /proc/cpuinfo, or None where there is none (not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith(name):
-            return line.partition(":")[2].strip()
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
     return None
 
 
 def cpu_vendor() -> str | None:
     """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD"), or None where /proc/cpuinfo has none."""
-    return _cpuinfo_field("vendor_id")
+    return cpuinfo_field("vendor_id")
 
 
 FP32_GEMMS = ("auto", "mkl", "onednn")
@@ -69,7 +70,7 @@ def onednn_fp32_gemm(device: torch.device, vendor: str | None = None) -> bool:
 
 def cpu_flags() -> set[str] | None:
     """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
-    flags = _cpuinfo_field("flags")
+    flags = cpuinfo_field("flags")
     return None if flags is None else set(flags.split())
 
 

@@ -137,10 +137,6 @@ void store_rows(T* kc, T* vc, const K* kp, const V* vp, int64_t ks, int64_t vs, 
   }
 }
 
-bool fp32_or_bf16(const torch::Tensor& cache) {
-  return cache.scalar_type() == torch::kFloat || cache.scalar_type() == torch::kBFloat16;
-}
-
 }  // namespace
 
 // The caches may be fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.

@@ -5,6 +5,10 @@
 
 #include <vector>
 
+inline bool fp32_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+}
+
 int64_t panel_width();  // output columns per packed panel in this build
 int64_t panel_row_block();  // rows the panel GEMM's microkernel computes at once in this build
 // x fp32; panels fp32, bf16 or int8 (then `scale`: fp32, one per output column).

@@ -297,10 +297,6 @@ void attend_blocks(const Q* q, int64_t q_stride, const Call& c, O* out, int64_t 
   });
 }
 
-bool fp32_or_bf16(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
-}
-
 // Every KV head's K (fp32 or bf16) as [kv_heads][padded / kKeyStrip][dim][kKeyStrip] into `packed`.
 template <typename T>
 void pack_keys(const T* k, int64_t stride, int64_t keys, int64_t padded, int64_t kv_heads, int64_t dim, float* packed) {
