@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from charioteer.model import cpu_kernels
@@ -165,9 +165,9 @@ def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
     if not cpu_kernels.available():
         return
     int8 = Kernels.choose(config, torch.device("cpu"), quantized=True)
-    lin = Int8Linear(torch.randn(8, 64), torch.float32, panel, int8.amx_int8_rows)
-    # the panel kernel's rows, or, where int8 takes AMX tiles, the rows below them
-    assert int8.small_batch_rows(quantized=True) == (lin.amx_rows - 1 if lin.amx_rows else lin.panel_rows)
+    lin = Int8Linear(torch.randn(8, 64), torch.float32, panel, int8.int8_tile_rows, int8.int8_tile_kernel)
+    # the panel kernel's rows, or, where int8 takes a tile kernel, the rows below it
+    assert int8.small_batch_rows(quantized=True) == (lin.tile_rows - 1 if lin.tile_rows else lin.panel_rows)
     assert int8.widen_rows(quantized=True) == cpu_kernels.row_block() > 0
     assert NarrowLinear(torch.randn(8, 64).bfloat16(), None, panel).panel_rows == NARROW_PANEL_ROWS_FACTOR * panel
 
@@ -475,55 +475,73 @@ def test_tile_order_bf16_gemms_are_the_bf16_product_and_a_row_does_not_depend_on
         linear(torch.randn(4, 64).bfloat16(), packed, 48)
 
 
-amx_int8 = pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
-                              reason=f"int8 on AMX tiles: {cpu_kernels.amx_int8_unavailable_reason()}")
+def _int8_tile_kernel(name: str, monkeypatch):
+    """The int8 GEMM of tile kernel `name`, with the environment set for Kernels.choose to take it (on an
+    AMX CPU, avx512_bf16 needs CHARIOTEER_AMX_INT8=0), or a skip where it does not run here."""
+    from charioteer.model.llama import tile_linear_int8
+
+    if name == "avx512_bf16":
+        monkeypatch.setenv("CHARIOTEER_AMX_INT8", "0")
+    reason = cpu_kernels.amx_int8_unavailable_reason() if name == "amx" else cpu_kernels.avx512_bf16_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"int8 on {name}: {reason}")
+    return tile_linear_int8(name)
 
 
-@amx_int8
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
-def test_amx_linear_int8_is_the_bf16_tiles_product_on_the_int8_panels(rows, n, k, seed):
-    """amx_linear_int8 reads the panel kernel's int8 panels and widens them to bf16 exactly: the same bits
-    as amx_linear on q in bf16 times the column scales, whatever K's remainder (the widened tail must be
-    zeros: garbage there would come out as NaN or noise), and within fp32 rounding of x rounded to bf16
-    times the exact int8 weight."""
+def test_int8_tile_kernels_are_their_bf16_product_on_the_int8_panels(kernel, rows, n, k, seed, monkeypatch):
+    """amx_linear_int8 and avx512_bf16_linear_int8 read the panel kernel's int8 panels and widen them to
+    bf16 exactly: the same bits as their bf16 GEMM on q in bf16 times the column scales, whatever K's
+    remainder (the widened tail must be zeros: garbage there would come out as NaN or noise), and within
+    fp32 rounding of x rounded to bf16 times the exact int8 weight."""
+    int8_linear = _int8_tile_kernel(kernel, monkeypatch)
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     q, scale = quantize_int8(w)
-    out = cpu_kernels.amx_linear_int8(x, cpu_kernels.pack(q), n, scale)
-    tiles = cpu_kernels.amx_linear(x.bfloat16(), cpu_kernels.amx_pack(q.bfloat16()), n) * scale
+    out = int8_linear(x, cpu_kernels.pack(q), n, scale)
+    tiles = _tile_kernel(kernel)(x.bfloat16(), cpu_kernels.amx_pack(q.bfloat16()), n) * scale
     assert torch.equal(out, tiles)
     exact = (x.bfloat16().double() @ (q.double() * scale.double()[:, None]).T).float()
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@amx_int8
-def test_int8_runs_amx_tiles_from_its_rows_and_amx_int8_0_keeps_the_panel_kernel(monkeypatch):
-    """int8 weights take the tiles from AMX_INT8_MIN_ROWS rows on, on the panels the panel kernel reads
-    below them (one copy of the weight); a row's bits on the tiles do not depend on its batch. The
-    cost model's small-batch rows end where the tiles begin. CHARIOTEER_AMX_INT8=0 and CHARIOTEER_AMX=0
-    each keep the panel kernel for every batch."""
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+def test_int8_runs_a_tile_kernel_from_its_rows_and_its_switch_keeps_the_panel_kernel(kernel, monkeypatch):
+    """int8 weights take the tile kernel from INT8_TILE_MIN_ROWS rows on, on the panels the panel kernel
+    reads below them (one copy of the weight); a row's bits on the tile kernel do not depend on its batch.
+    The cost model's small-batch rows end where the tile kernel begins. The kernel's switches
+    (CHARIOTEER_AMX_INT8 or CHARIOTEER_AMX; CHARIOTEER_AVX512_BF16) each turn it off, and with both kinds
+    off every batch runs the panel kernel."""
     from charioteer.model.config import ModelConfig
-    from charioteer.model.llama import AMX_INT8_MIN_ROWS, Kernels
+    from charioteer.model.llama import INT8_TILE_MIN_ROWS, Kernels
 
+    int8_linear = _int8_tile_kernel(kernel, monkeypatch)
     config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
                          num_kv_heads=1)
     kernels = Kernels.choose(config, torch.device("cpu"), quantized=True)
-    assert kernels.amx_int8_rows == AMX_INT8_MIN_ROWS
-    assert kernels.small_batch_rows(quantized=True) == AMX_INT8_MIN_ROWS - 1
-    lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, kernels.amx_int8_rows)
-    small, large = torch.randn(AMX_INT8_MIN_ROWS - 1, 128), torch.randn(3 * AMX_INT8_MIN_ROWS, 128)
+    assert (kernels.int8_tile_rows, kernels.int8_tile_kernel) == (INT8_TILE_MIN_ROWS, kernel)
+    assert kernels.small_batch_rows(quantized=True) == INT8_TILE_MIN_ROWS - 1
+    lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, INT8_TILE_MIN_ROWS, kernel)
+    small, large = torch.randn(INT8_TILE_MIN_ROWS - 1, 128), torch.randn(3 * INT8_TILE_MIN_ROWS, 128)
     assert torch.equal(lin(small), cpu_kernels.linear(small, lin.panels, 96, lin.scale))
     out = lin(large)
-    assert torch.equal(out, cpu_kernels.amx_linear_int8(large, lin.panels, 96, lin.scale))
-    assert torch.equal(out[:AMX_INT8_MIN_ROWS], lin(large[:AMX_INT8_MIN_ROWS]))
+    assert torch.equal(out, int8_linear(large, lin.panels, 96, lin.scale))
+    assert torch.equal(out[:INT8_TILE_MIN_ROWS], lin(large[:INT8_TILE_MIN_ROWS]))
     with pytest.raises(ValueError, match="give panel_rows"):
-        Int8Linear(torch.randn(96, 128), torch.float32, amx_rows=AMX_INT8_MIN_ROWS)
-    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AMX"):
+        Int8Linear(torch.randn(96, 128), torch.float32, tile_rows=INT8_TILE_MIN_ROWS, tile_kernel=kernel)
+    with pytest.raises(ValueError, match="both"):
+        Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, tile_rows=INT8_TILE_MIN_ROWS)
+    with pytest.raises(ValueError, match="int8_tile_kernel"):
+        dataclasses.replace(kernels, int8_tile_kernel=None)
+    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AMX") if kernel == "amx" else ("CHARIOTEER_AVX512_BF16",):
         monkeypatch.setenv(switch, "0")
-        assert cpu_kernels.amx_int8_unavailable_reason() == f"disabled by {switch}=0"
-        assert Kernels.choose(config, torch.device("cpu"), quantized=True).amx_int8_rows == 0
+        assert Kernels.choose(config, torch.device("cpu"), quantized=True).int8_tile_kernel != kernel
         monkeypatch.delenv(switch)
+    monkeypatch.setenv("CHARIOTEER_AMX_INT8", "0")
+    monkeypatch.setenv("CHARIOTEER_AVX512_BF16", "0")
+    assert Kernels.choose(config, torch.device("cpu"), quantized=True).int8_tile_rows == 0
 
 
 def _causal_attention_fp32(q, k, v, start):

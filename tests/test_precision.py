@@ -36,10 +36,15 @@ BF16_CHUNKED_MEAN_LOGPROB_TOL = 0.03
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
 INT8_CHUNKED_MEAN_LOGPROB_TOL = 1e-4
-# On AMX tiles (8 rows or more) int8's activations are rounded to bf16, so a difference in the last
-# fp32 bit may round an input to the next bf16 value, as in bf16: bf16's bound. Measured on a Xeon
-# with AMX on 728 tokens: 0.091; bounded by bf16's earlier 0.3, which no int8 run has come near.
-INT8_AMX_CHUNKED_LOGPROB_TOL = 0.3
+# On a tile kernel (AMX tiles or AVX512-BF16, 8 rows or more) int8's activations are rounded to bf16,
+# so a difference in the last fp32 bit may round an input to the next bf16 value, as in bf16: bf16's
+# bound. Measured on 728 tokens: 0.091 on a Xeon with AMX; 0 on a Zen 4 with AVX512-BF16 (whole and chunked
+# prefill both run every GEMM on its kernel, whose rows do not depend on their batch);
+# bounded by bf16's earlier 0.3, which no int8 run has come near.
+INT8_TILES_CHUNKED_LOGPROB_TOL = 0.3
+# Whether int8 weights run a tile kernel from 8 rows here (llama.Kernels.int8_tile_kernel).
+INT8_TILES = (cpu_kernels.amx_int8_unavailable_reason() is None
+              or cpu_kernels.avx512_bf16_unavailable_reason() is None)
 # Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
 # measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
 # bf16 on the 24 prompts below, 16 tokens, Xeon with AMX: transformers bf16 agrees with our fp32 at
@@ -85,6 +90,12 @@ each_bf16_compute = pytest.mark.parametrize("compute", [
     # where the CPU has AMX tiles, widened bf16 attends its prompts on them: this runs SDPA there instead
     pytest.param("widened-sdpa", marks=pytest.mark.skipif(not cpu_kernels.amx_available(),
                                                           reason="prompts attend on AMX tiles only where they run"))])
+
+
+def _set_int8_tiles(monkeypatch, on: bool) -> None:
+    """int8 on a tile kernel where one runs (on), or on the panel kernel everywhere: both kernels' switches."""
+    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AVX512_BF16"):
+        monkeypatch.setenv(switch, "1" if on else "0")
 
 
 def _set_bf16_compute(monkeypatch, compute: str) -> str:
@@ -175,15 +186,14 @@ BF16_TOLS = (BF16_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL)
     pytest.param("bfloat16", None, BF16_TOLS, "widened-sdpa",
                  marks=pytest.mark.skipif(not cpu_kernels.amx_available(), reason="AMX attention only where it runs")),
     ("float32", "int8", (INT8_CHUNKED_LOGPROB_TOL, INT8_CHUNKED_MEAN_LOGPROB_TOL), "panel"),
-    pytest.param("float32", "int8", (INT8_AMX_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL), "amx-tiles",
-                 marks=pytest.mark.skipif(cpu_kernels.amx_int8_unavailable_reason() is not None,
-                                          reason="int8 on AMX tiles only where they run"))])
+    pytest.param("float32", "int8", (INT8_TILES_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL), "tiles",
+                 marks=pytest.mark.skipif(not INT8_TILES, reason="int8 on a tile kernel only where one runs"))])
 def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance, compute,
                                                                  monkeypatch):
     """`tolerance`: (the largest |logprob difference| over the prompt, their mean)."""
     amx_attention = compute == "widened" and cpu_kernels.amx_available()
     if quantization:
-        monkeypatch.setenv("CHARIOTEER_AMX_INT8", "1" if compute == "amx-tiles" else "0")
+        _set_int8_tiles(monkeypatch, compute == "tiles")
     else:
         compute = _set_bf16_compute(monkeypatch, compute)
     # 728 tokens. int8 on the panel kernel: the whole prefill runs the weights dequantized (above the
@@ -195,7 +205,7 @@ def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, 
     for chunk in (1024, 24):
         llm = LLM(default_model, dtype=dtype, quantization=quantization, chunk_size=chunk)
         assert llm.engine.model.kernels.amx_attention == amx_attention
-        assert bool(llm.engine.model.kernels.amx_int8_rows) == (compute == "amx-tiles")
+        assert bool(llm.engine.model.kernels.int8_tile_rows) == (compute == "tiles")
         out = llm.generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
     diffs = [abs(a - b) for a, b in zip(*runs)]
@@ -227,14 +237,16 @@ def test_bf16_greedy_agrees_with_transformers_in_bf16(default_model, prompts, fp
     assert with_hf >= MIN_BF16_AGREEMENT_WITH_HF_BF16
 
 
-@pytest.mark.parametrize("dtype, amx_int8", [("float32", "1"), ("float32", "0"), ("bfloat16", "1")])
-def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype, amx_int8, monkeypatch):
-    monkeypatch.setenv("CHARIOTEER_AMX_INT8", amx_int8)
+@pytest.mark.parametrize("dtype, int8_tiles", [("float32", True), ("float32", False), ("bfloat16", True)])
+def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype, int8_tiles, monkeypatch):
+    _set_int8_tiles(monkeypatch, int8_tiles)
     llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
-    # the 16-token chunks run on AMX tiles where they run and CHARIOTEER_AMX_INT8 is not 0
-    tiles = amx_int8 == "1" and cpu_kernels.amx_int8_unavailable_reason() is None
-    assert bool(llm.engine.model.kernels.amx_int8_rows) == tiles
-    assert llm.engine.capacity()["kernels"]["amx_int8_rows"] == llm.engine.model.kernels.amx_int8_rows  # charioteer info
+    # the 16-token chunks run on a tile kernel where one runs and its switch is not 0
+    tiles = int8_tiles and INT8_TILES and llm.engine.model.activation_dtype == torch.float32
+    assert bool(llm.engine.model.kernels.int8_tile_rows) == tiles
+    kernels = llm.engine.capacity()["kernels"]  # charioteer info
+    assert (kernels["int8_tile_rows"], kernels["int8_tile_kernel"]) == (
+        llm.engine.model.kernels.int8_tile_rows, llm.engine.model.kernels.int8_tile_kernel)
     weights = llm.engine.model.linears[0]["gate_up"]
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
     # fp32 activations (also widened bf16's) run the int8 panel kernel where the CPU kernels are; bf16
@@ -243,7 +255,8 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     assert fp32_activations == (dtype == "float32" or llm.engine.model.kernels.widened_bf16)
     assert (weights.panels is not None) == (fp32_activations and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
-    print(f"\n[int8, {dtype} activations, AMX tiles {tiles}] greedy agreement with fp32: {agreement:.2f}")
+    print(f"\n[int8, {dtype} activations, tile kernel {llm.engine.model.kernels.int8_tile_kernel}] greedy agreement "
+          f"with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
 
 

@@ -51,11 +51,13 @@ PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bf
 
 def peak_dtype(dtype: str, quantization: str | None = None, device: str = "cpu") -> str:
     """The dtype whose measured matmul peak bounds a model's GEMMs (the roofline MFU is taken against):
-    int8 weights multiply in fp32 on the panel kernel, but in bf16 where they run on AMX tiles."""
+    int8 weights multiply in fp32 on the panel kernel, but in bf16 where they run on a tile-order kernel
+    (AMX tiles, AVX512-BF16)."""
     from charioteer.model import cpu_kernels
 
     if (device == "cpu" and quantization == "int8" and dtype == "float32"
-            and cpu_kernels.amx_int8_unavailable_reason() is None):
+            and (cpu_kernels.amx_int8_unavailable_reason() is None
+                 or cpu_kernels.avx512_bf16_unavailable_reason() is None)):
         return "bfloat16"
     return dtype
 

@@ -179,11 +179,21 @@ def tile_linear(kernel: str):
     return {"amx": cpu_kernels.amx_linear, "avx512_bf16": cpu_kernels.avx512_bf16_linear}[kernel]
 
 
-# Rows from which int8 weights run on AMX tiles (cpu_kernels.amx_linear_int8), fewer on the panel kernel.
-# Against the panel kernel (fp32 activations) on a Xeon with AMX, 2 threads, weights out of cache, 9
-# interleaved rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32;
-# a LLaMA-7B layer 0.77x at 1, 1.02x at 4, 1.23x at 8, 2.4x at 16, 3.6x at 32.
-AMX_INT8_MIN_ROWS = 8
+# Rows from which int8 weights run on a tile-order bf16 GEMM (Kernels.int8_tile_kernel): the panel widened
+# to bf16, x rounded to bf16. Fewer stay on the panel kernel (int8 widened to fp32 in registers, fp32 x).
+# Against the panel kernel, 2 threads, weights out of cache, interleaved rounds:
+# - AMX tiles (cpu_kernels.amx_linear_int8), a Xeon, 9 rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x
+#   at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32; a LLaMA-7B layer 0.77x at 1, 1.02x at 4, 1.23x at 8, 2.4x at
+#   16, 3.6x at 32.
+# - AVX512-BF16 (cpu_kernels.avx512_bf16_linear_int8), a Zen 4, 5 rounds (3 for LLaMA-7B): SmolLM2's 30
+#   layers and LM head 0.51x at 1, 0.81x at 4, 1.01x at 8, 1.6x at 12-16, 1.8x at 64-256; a LLaMA-7B layer
+#   0.50x at 1, 1.12x at 8, 1.75x at 10, 1.9x at 16, 2.0-2.1x at 64-256.
+INT8_TILE_MIN_ROWS = 8
+
+
+def tile_linear_int8(kernel: str):
+    """The int8 GEMM of a Kernels.int8_tile_kernel: (x fp32, int8 panels, n, scale) -> x @ (q * scale).T."""
+    return {"amx": cpu_kernels.amx_linear_int8, "avx512_bf16": cpu_kernels.avx512_bf16_linear_int8}[kernel]
 
 
 # Query heads per KV head from which prompt chunks attend on AMX tiles by default, at head_dim 64.
@@ -274,24 +284,28 @@ class Int8Linear(NarrowLinear):
     """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
 
     With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear: the panel
-    kernel widens q in registers. With `amx_rows` (the CPU has AMX tiles), a batch of that many rows or
-    more runs cpu_kernels.amx_linear_int8 on the same panels instead (x rounded to bf16, q widened to
-    bf16 as the tiles use it). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
+    kernel widens q in registers. With `tile_rows` and a `tile_kernel` (Kernels.int8_tile_kernel), a
+    batch of that many rows or more runs that kernel on the same panels instead (x rounded to bf16, q
+    widened to bf16). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
     5-40x slower than the fp32 panel kernel on the same shape.
     """
 
-    __slots__ = ("amx_rows",)
+    __slots__ = ("tile_rows", "tile_linear")
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0, amx_rows: int = 0) -> None:
-        if amx_rows and not (panel_rows and dtype == torch.float32):
-            raise ValueError("int8 on AMX tiles reads the panels, with fp32 activations: give panel_rows")
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0, tile_rows: int = 0,
+                 tile_kernel: str | None = None) -> None:
+        if bool(tile_rows) != bool(tile_kernel):
+            raise ValueError("int8 on a tile kernel takes both the rows it starts at and the kernel")
+        if tile_rows and not (panel_rows and dtype == torch.float32):
+            raise ValueError("int8 on a tile kernel reads the panels, with fp32 activations: give panel_rows")
         q, scale = quantize_int8(weight)
         super().__init__(q, scale.to(dtype), panel_rows)
-        self.amx_rows = amx_rows
+        self.tile_rows = tile_rows
+        self.tile_linear = tile_linear_int8(tile_kernel) if tile_kernel else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_rows and x.shape[0] >= self.amx_rows:
-            return cpu_kernels.amx_linear_int8(x, self.panels, self.weight.shape[0], self.scale)
+        if self.tile_rows and x.shape[0] >= self.tile_rows:
+            return self.tile_linear(x, self.panels, self.weight.shape[0], self.scale)
         if self.panels is None:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
         return super().__call__(x)
@@ -366,7 +380,8 @@ class Kernels:
     # "avx512_bf16", vector_attention's products are bf16 too
     tile_kernel: str | None = None
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
-    amx_int8_rows: int = 0  # int8 weights: cpu_kernels.amx_linear_int8 from this many rows (0: never)
+    int8_tile_rows: int = 0  # int8 weights: int8_tile_kernel from this many rows (0: never)
+    int8_tile_kernel: str | None = None  # its int8 GEMM ("amx" or "avx512_bf16", tile_linear_int8)
     onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
     vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
 
@@ -383,8 +398,11 @@ class Kernels:
             raise ValueError("tile_kernel runs the rows below native_bf16_rows: it needs them")
         if self.amx_attention and not self.native_bf16_rows:
             raise ValueError("amx_attention attends on the bf16 cache in bf16: it needs native_bf16_rows")
-        if self.amx_int8_rows and not self.panel_rows:
-            raise ValueError("amx_int8_rows runs int8 weights from the panel kernel's panels: it needs them")
+        if self.int8_tile_kernel not in TILE_KERNELS or bool(self.int8_tile_rows) != bool(self.int8_tile_kernel):
+            raise ValueError(f"int8_tile_kernel {self.int8_tile_kernel!r} must be one of {TILE_KERNELS[1:]}, "
+                             "given with int8_tile_rows, or None without them")
+        if self.int8_tile_rows and not self.panel_rows:
+            raise ValueError("int8_tile_rows runs int8 weights from the panel kernel's panels: it needs them")
         if self.vector_attention and self.amx_attention:
             raise ValueError("prompt chunks attend on AMX tiles or in the vector kernel, not both")
         if self.onednn_fp32 and (self.packed_gemm or self.invariant):
@@ -407,8 +425,9 @@ class Kernels:
         (cpu_kernels.amx_available) the tile kernel takes 1 to AMX_MAX_ROWS rows and torch's GEMM the rest,
         else where it has AVX512-BF16 (cpu_kernels.avx512_bf16_unavailable_reason) its kernel 1 to
         AVX512_BF16_MAX_ROWS.
-        int8 weights (fp32 activations) run batches of AMX_INT8_MIN_ROWS rows or more on AMX tiles where
-        the CPU has them (`amx_int8_rows`, cpu_kernels.amx_int8_unavailable_reason), fewer on the panel kernel.
+        int8 weights (fp32 activations) run batches of INT8_TILE_MIN_ROWS rows or more (`int8_tile_rows`) on
+        AMX tiles where the CPU has them (cpu_kernels.amx_int8_unavailable_reason), else with AVX512-BF16
+        where it has that (cpu_kernels.avx512_bf16_unavailable_reason), fewer on the panel kernel.
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
         int8 and widened bf16, except where AMX tiles compute bf16.
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
@@ -432,7 +451,10 @@ class Kernels:
         amx = native_gemm and cpu_kernels.amx_available()
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
-        amx_int8 = quantized and native and cpu_kernels.amx_int8_unavailable_reason() is None
+        int8_tiles = None
+        if quantized and native:
+            int8_tiles = ("amx" if cpu_kernels.amx_int8_unavailable_reason() is None else "avx512_bf16"
+                          if cpu_kernels.avx512_bf16_unavailable_reason() is None else None)
         fp32 = dtype == torch.float32 and not quantized
         onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         amx_attention = amx and amx_attention_enabled(config)
@@ -446,14 +468,14 @@ class Kernels:
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
                    amx_attention=amx_attention, vector_attention=vector,
-                   amx_int8_rows=AMX_INT8_MIN_ROWS if amx_int8 else 0)
+                   int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
         a larger batch runs one plain GEMM, at another cost per row (the simulator's step cost model
         prices the two apart: charioteer.sim.validate)."""
-        if self.amx_int8_rows:
-            return self.amx_int8_rows - 1
+        if self.int8_tile_rows:
+            return self.int8_tile_rows - 1
         if self.native_bf16_rows:
             return self.native_bf16_rows - 1
         panel = self.panel_rows * (NARROW_PANEL_ROWS_FACTOR if quantized or self.widened_bf16 else 1)
@@ -633,7 +655,7 @@ class LlamaModel:
 
         def linear(weight: torch.Tensor, bf16_output: bool = False) -> Linear | NarrowLinear:
             if self.quantization == "int8":
-                return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.amx_int8_rows)
+                return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel)
             if k.widened_bf16:
                 return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.tile_kernel)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None, k.onednn_fp32)
@@ -662,8 +684,8 @@ class LlamaModel:
                 weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
                 if self.quantization == "int8" else None,
                 plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.amx_int8_rows,
-                amx_tiles=k.tile_kernel == "amx")
+                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.int8_tile_rows,
+                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel))
 
     @property
     def weight_bytes(self) -> int:

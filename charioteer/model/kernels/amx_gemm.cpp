@@ -40,8 +40,48 @@
 
 namespace {
 
+// 16 int8 -> 16 fp32.
+__attribute__((target("avx512f"))) inline __m512 widen_16(const int8_t* at) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+}
+
+// Rows k and k + 1 of 16 columns as one bf16 B tile row: each column's pair side by side. Exact for
+// int8 values.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_pairs(uint16_t* dst, __m512 k0, __m512 k1) {
+  // word i of cvtne2ps2bf16(k1, k0) is column i of k0 (i < 16), column i - 16 of k1
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(k1, k0));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), both));
+}
+
+}  // namespace
+
+// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32], k rows) -> its two column blocks' bf16
+// B tiles, step t's at block0 and block1 + (t - t0) tiles, zero past k: tile row r of step t holds
+// k = 32t + 2r and + 1 of each column.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_int8_steps(const int8_t* panel, int64_t k,
+                                                                              int64_t t0, int64_t t1, uint16_t* block0,
+                                                                              uint16_t* block1) {
+  constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead (from memory, one stream)
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t kk = t0 * kTileK; kk < t1 * kTileK; kk += 2) {
+    const int64_t row = (kk / kTileK - t0) * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
+    const int8_t* at = panel + kk * kPairCols;
+    if (kk + 1 < k) {
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
+      store_pairs(block0 + row, widen_16(at), widen_16(at + kPairCols));
+      store_pairs(block1 + row, widen_16(at + kTileN), widen_16(at + kPairCols + kTileN));
+    } else {  // the last odd k, then zeros
+      store_pairs(block0 + row, kk < k ? widen_16(at) : zero, zero);
+      store_pairs(block1 + row, kk < k ? widen_16(at + kTileN) : zero, zero);
+    }
+  }
+}
+
+namespace {
+
 constexpr int64_t kPassRows = 2 * kTileRows;  // rows of x per pass: C tiles 0-1 hold the first 16, 2-3 the rest
-constexpr int64_t kPairCols = 2 * kTileN;     // columns per pass: C tiles 0 and 2 the first 16, 1 and 3 the rest
 constexpr int64_t kPrefetchTiles = 8;  // B tiles ahead per stream (about what memory returns during their compute)
 constexpr int64_t kTileBytes = kTileElems * 2;  // a bf16 tile: 16 rows of 64 bytes
 // Cache lines of each of the next pair's blocks prefetched into L2 per k-step of a later pass, which
@@ -106,43 +146,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a
   if (RT > 1 && CT > 1) _tile_stored(3, c + kTileRows * kPairCols + kTileN, stride);
 }
 
-// 16 int8 -> 16 fp32.
-__attribute__((target("avx512f"))) inline __m512 widen_16(const int8_t* at) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
-}
-
-// Rows k and k + 1 of 16 columns as one bf16 B tile row: each column's pair side by side. Exact for
-// int8 values.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_pairs(uint16_t* dst, __m512 k0, __m512 k1) {
-  // word i of cvtne2ps2bf16(k1, k0) is column i of k0 (i < 16), column i - 16 of k1
-  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(k1, k0));
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), both));
-}
-
-// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32], k rows) -> its two column blocks' bf16
-// B tiles, step t's at block0 and block1 + (t - t0) tiles, zero past k: tile row r of step t holds
-// k = 32t + 2r and + 1 of each column.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_steps(const int8_t* panel, int64_t k, int64_t t0,
-                                                                         int64_t t1, uint16_t* block0,
-                                                                         uint16_t* block1) {
-  constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead (from memory, one stream)
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t kk = t0 * kTileK; kk < t1 * kTileK; kk += 2) {
-    const int64_t row = (kk / kTileK - t0) * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
-    const int8_t* at = panel + kk * kPairCols;
-    if (kk + 1 < k) {
-      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
-      store_pairs(block0 + row, widen_16(at), widen_16(at + kPairCols));
-      store_pairs(block1 + row, widen_16(at + kTileN), widen_16(at + kPairCols + kTileN));
-    } else {  // the last odd k, then zeros
-      store_pairs(block0 + row, kk < k ? widen_16(at) : zero, zero);
-      store_pairs(block1 + row, kk < k ? widen_16(at + kTileN) : zero, zero);
-    }
-  }
-}
-
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
 // (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column
@@ -176,7 +179,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
       const char* b0 = nullptr;  // the pair's bf16 tiles, block 1 after block 0, where they are kept
       if constexpr (kInt8Weights) {
         if (passes > 1) {  // widened once for every pass
-          widen_steps(panel, k, 0, kb, widened.data(), widened.data() + kb * kTileElems);
+          widen_int8_steps(panel, k, 0, kb, widened.data(), widened.data() + kb * kTileElems);
           b0 = reinterpret_cast<const char*>(widened.data());
         }
       } else {
@@ -209,7 +212,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
           if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
             run([&](int64_t t) {
               uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
-              widen_steps(panel, k, t0 + t, t0 + t + 1, slot, slot + kTileElems);
+              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, slot, slot + kTileElems);
               return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
             });
           } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
@@ -315,18 +318,23 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   return out;
 }
 
+void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                       const torch::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, " takes fp32 x [M, K]");
+  TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
+                  panels.size(2) == kPairCols && panels.is_contiguous(),
+              name, " takes int8 weights packed into 32-column panels (cpu_kernels.pack, AVX-512 build)");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ", panels.size(1));
+  TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
+              name, " takes one fp32 scale per output column");
+}
+
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                               const torch::Tensor& scale) {
   TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "amx_linear_int8 takes fp32 x [M, K]");
-  TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
-                  panels.size(2) == kPairCols && panels.is_contiguous(),
-              "amx_linear_int8 takes int8 weights packed into 32-column panels (cpu_kernels.pack, AVX-512 build)");
-  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), kb = (k + kTileK - 1) / kTileK;
-  TORCH_CHECK(panels.size(1) == k, "x has ", k, " columns, the weight ", panels.size(1));
-  TORCH_CHECK(0 < n && n <= np * kPairCols, "n out of range");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
-              "amx_linear_int8 takes one fp32 scale per output column");
+  check_int8_panels("amx_linear_int8", x, panels, n, scale);
+  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
   const auto a = tile_input(x, kb);

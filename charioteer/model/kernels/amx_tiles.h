@@ -10,6 +10,7 @@ constexpr int64_t kTileRows = 16;  // rows of an A or C tile
 constexpr int64_t kTileK = 32;     // bf16 values in a tile row (64 bytes): an A tile's k, a B tile's 16 pairs
 constexpr int64_t kTileN = 16;     // columns of a C tile
 constexpr int64_t kTileElems = kTileRows * kTileK;
+constexpr int64_t kPairCols = 2 * kTileN;  // a pair of column blocks: an int8 panel's columns, a pass's C columns
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include "amx_tiles.h"  // the sizes of amx_pack's layout
@@ -84,22 +85,18 @@ constexpr auto kBlocks = blocks<CT>(std::make_integer_sequence<int, kRows>());
 
 }  // namespace
 
-torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
-  auto out = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output);
-  const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
-  if (m == 0) return out;
-  const auto a = tile_input(x, kb);
-  const auto* xs = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const int64_t lda = a.stride(0);
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  float* out_fp32 = bf16_output ? nullptr : out.data_ptr<float>();
-  auto* out_bf16 = bf16_output ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  const int64_t pairs = (nb + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+namespace {
+
+// Every row block of x (bf16, K padded to kb k-steps) on each pair of column blocks in turn, into out
+// (fp32, or bf16 with out_bf16): pair_weight(pair) gives the pair's two blocks of bf16 weight in
+// amx_pack's order (the second nullptr past the last), and done(r0, rows, col0, cols) follows each block.
+template <typename PairWeight, typename Done>
+void run_pairs(const uint16_t* xs, int64_t lda, int64_t m, int64_t n, int64_t nb, int64_t kb, float* out_fp32,
+               uint16_t* out_bf16, const PairWeight& pair_weight, const Done& done) {
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t first, int64_t last) {
     for (int64_t pair = first; pair < last; ++pair) {
-      const int64_t j = 2 * pair, col0 = j * kTileN, cols = std::min(n - col0, 2 * kTileN);
-      const uint16_t* b0 = w + j * kb * kTileElems;
-      const uint16_t* b1 = j + 1 < nb ? b0 + kb * kTileElems : nullptr;
+      const int64_t col0 = 2 * pair * kTileN, cols = std::min(n - col0, kPairCols);
+      const auto [b0, b1] = pair_weight(pair);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = std::min(kRows, m - r0);
         float* c = out_fp32 != nullptr ? out_fp32 + r0 * n + col0 : nullptr;
@@ -109,9 +106,55 @@ torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& pa
         } else {
           kBlocks<1>[rows](xs + r0 * lda, lda, b0, nullptr, kb, c, c_bf16, n, cols);
         }
+        done(r0, rows, col0, cols);
       }
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
+  auto out = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output);
+  const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
+  if (m == 0) return out;
+  const auto a = tile_input(x, kb);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  run_pairs(reinterpret_cast<const uint16_t*>(a.data_ptr()), a.stride(0), m, n, nb, kb,
+            bf16_output ? nullptr : out.data_ptr<float>(),
+            bf16_output ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr,
+            [&](int64_t pair) {
+              const uint16_t* b0 = w + 2 * pair * kb * kTileElems;
+              return std::pair(b0, 2 * pair + 1 < nb ? b0 + kb * kTileElems : nullptr);
+            },
+            [](int64_t, int64_t, int64_t, int64_t) {});
+  return out;
+}
+
+torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                                      const torch::Tensor& scale) {
+  check_int8_panels("avx512_bf16_linear_int8", x, panels, n, scale);
+  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK, nb = (n + kTileN - 1) / kTileN;
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const auto a = tile_input(x, kb);
+  const auto scales = scale.contiguous();
+  const float* sw = scales.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const auto* q = static_cast<const int8_t*>(panels.data_ptr());
+  run_pairs(reinterpret_cast<const uint16_t*>(a.data_ptr()), a.stride(0), m, n, nb, kb, y, nullptr,
+            [&](int64_t pair) {  // the panel widened once, for every row block (in L2: 2 KB per 32 k)
+              thread_local std::vector<uint16_t> widened;
+              if (static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems) widened.resize(2 * kb * kTileElems);
+              uint16_t* b0 = widened.data();
+              widen_int8_steps(q + pair * k * kPairCols, k, 0, kb, b0, b0 + kb * kTileElems);
+              return std::pair<const uint16_t*, const uint16_t*>(b0, 2 * pair + 1 < nb ? b0 + kb * kTileElems
+                                                                                       : nullptr);
+            },
+            [&](int64_t r0, int64_t rows, int64_t col0, int64_t cols) {
+              for (int64_t r = r0; r < r0 + rows; ++r)
+                for (int64_t c = col0; c < col0 + cols; ++c) y[r * n + c] *= sw[c];
+            });
   return out;
 }
 
@@ -119,6 +162,10 @@ torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& pa
 
 torch::Tensor avx512_bf16_linear(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "avx512_bf16_linear is in the avx512 build only (cpu_kernels.avx512_bf16_unavailable_reason)");
+}
+
+torch::Tensor avx512_bf16_linear_int8(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&) {
+  TORCH_CHECK(false, "avx512_bf16_linear_int8 is in the avx512 build only (cpu_kernels.avx512_bf16_unavailable_reason)");
 }
 
 #endif

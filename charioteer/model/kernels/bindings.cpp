@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
   m.def("avx512_bf16_linear", &avx512_bf16_linear, "x bf16 @ w.T with AVX512-BF16 for a weight packed by amx_pack",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
+  m.def("avx512_bf16_linear_int8", &avx512_bf16_linear_int8,
+        "x fp32 @ (q * scale).T with AVX512-BF16 for int8 panels: q widened to bf16, x rounded to it");
   m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in vectors", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"), py::arg("out"), py::arg("bf16_products") = false);

@@ -55,8 +55,9 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                              : avx512_bf16_linear(rounded, panels, n, true);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
-  if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels on AMX tiles
-    return amx_linear_int8(x, panels, n, *scale(layer, which));
+  if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels widened to bf16
+    return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
+                      : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
   return panel_linear(x, panels, n, scale(layer, which));
 }
 

@@ -43,6 +43,15 @@ torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& pa
 // x fp32 [M, K] rounded to bf16 @ (q * scale[:, None]).T -> fp32 [M, n], for int8 q in the AVX-512
 // build's 32-column panels (panel_linear's): each panel widened to bf16 (exact); also needs AVX512-BF16.
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale);
+// The same product with AVX512-BF16's vdpbf16ps (avx512_bf16_gemm.cpp), as avx512_bf16_linear on q in bf16.
+torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                                      const torch::Tensor& scale);
+// Both int8 GEMMs' checks of x, the panels, n and the scales; `name` is the caller's, for the message.
+void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                       const torch::Tensor& scale);
+// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32]) widened (exactly) to its two column blocks' bf16 in
+// amx_pack's order, step t's at block0 and block1 + (t - t0) * 512 values, zero past k. Needs AVX512-BF16.
+void widen_int8_steps(const int8_t* panel, int64_t k, int64_t t0, int64_t t1, uint16_t* block0, uint16_t* block1);
 // A prompt chunk's attention (amx_attention.cpp): q bf16 [n, heads, dim] at positions start..start+n-1 against
 // k, v bf16 [start + n, kv_heads, dim], causal; writes out [n, heads, dim] (fp32 or bf16; rows may be strided).
 void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
@@ -60,7 +69,7 @@ class DecodeLayers {
   // for bf16 with `plain`, into AMX tiles (amx_pack) where the model runs those.
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
   // order; empty for fp32 or bf16 panels; a batch of `native_rows` rows or more (0: none) then runs
-  // amx_linear_int8 on the same panels. `plain`: for bf16 panels, each layer's four weights as
+  // amx_linear_int8 (`amx_tiles`) or avx512_bf16_linear_int8 on the same panels. `plain`: for bf16 panels, each layer's four weights as
   // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
   // same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
   // through oneDNN's bf16 GEMM, as NarrowLinear does; empty: the panels only. Weights packed by
