@@ -12,6 +12,12 @@
 // SmolLM2's 30 layers at 16 rows took 20.5 ms through oneDNN against 30 in the panel kernel with
 // the weight widened to fp32; see llama.AVX512_BF16_MAX_ROWS for this kernel's.
 //
+// int8 weights (avx512_bf16_linear_int8) come in the panel kernel's 32-column panels, as for
+// amx_linear_int8: each panel is widened to bf16 in this order once per call (widen_int8_steps, exact),
+// into a buffer that stays in L2 while every row block reads it, then summed as above and scaled per
+// column. One row's widening costs as much as its product, so the model takes it from 8 rows (1.0-1.1x
+// the panel kernel there, 1.6-2.1x from 12 rows on a Zen 4: llama.INT8_TILE_MIN_ROWS).
+//
 // Every output is its own row of x times its column, summed over k in order (two products per
 // step, as the instruction adds them), whatever the other rows of the batch: a row's result does
 // not depend on them. Built into the AVX-512 build only (the functions carry AVX512-BF16's target
