@@ -207,6 +207,24 @@ def test_a_rate_far_above_a_fresh_peak_is_not_that_dtypes_and_gets_no_mfu(fake_m
     assert rl.mfu(roof, [(140e9, 1.0)]) == [pytest.approx(1.0)] and roof["peak_matmul_gflops"] == 140.0
 
 
+def test_a_read_rate_above_the_bandwidth_remeasures_it_and_may_become_it(fake_machine, capsys):
+    """The read bandwidth is held to observed read rates as the peak is to matmul rates (single-stream's
+    fraction of its read limit never exceeds 1)."""
+    roof = rl.roofline("cpu")  # 10 GB/s
+    assert not rl.observe_bandwidth(roof, 9e9) and fake_machine["bandwidth_calls"] == 1
+    fake_machine["bandwidth"] = 11e9
+    assert rl.observe_bandwidth(roof, 12e9) and fake_machine["bandwidth_calls"] == 2
+    assert roof["memory_bandwidth_gbs"] == 12.0 and roof["bandwidth_raised_from_gbs"] == 10.0
+    assert roof["ridge_flops_per_byte"] == pytest.approx(100 / 12, abs=0.1)
+    assert "becomes the read bandwidth" in capsys.readouterr().err
+    stored = rl.roofline("cpu")
+    assert stored["memory_bandwidth_gbs"] == 12.0 and "bandwidth_raised_from_gbs" not in stored
+    assert stored["peak_matmul_gflops"] == 100.0  # the peak is not touched
+    # 1.5x a fresh measurement or more is not a read rate of this machine's memory: the bandwidth stays measured
+    assert rl.observe_bandwidth(roof, 30e9) and roof["memory_bandwidth_gbs"] == 12.0
+    assert "not a float32 read rate" in capsys.readouterr().err
+
+
 def test_an_observed_rate_is_rounded_up_into_the_peak(fake_machine):
     roof = rl.roofline("cpu")
     fake_machine["peak"] = 90e9

@@ -300,7 +300,8 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
     # int8 weights are a quarter of fp32's bytes (plus a scale per row), bf16 half: the KV's share is small
     assert rows["int8"]["streamed_mb"] < rows["bfloat16"]["streamed_mb"] < rows["float32"]["streamed_mb"]
     for row in rows.values():
-        assert row["step_ms"] > 0 and row["limit_tok_s"] > 0 and 0 < row["of_limit"]
+        # a tiny model's weights stay in cache: its "reads" may beat the memory, and then get no fraction
+        assert row["step_ms"] > 0 and row["limit_tok_s"] > 0 and (row["of_limit"] is None or 0 < row["of_limit"] <= 1)
         assert row["step_ms_spread"][0] <= row["step_ms"] <= row["step_ms_spread"][1]
     assert out["int8_over_float32_verdict"] in {"faster", "slower", "not distinguishable"}
     assert out["cpu_features"] is not None

@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -206,7 +207,7 @@ def _read_cache() -> dict:
 def _store(entry: dict) -> None:
     cache = _read_cache()
     # What happened in this run (read from the cache, raised from a lower peak) is not the entry's.
-    cache[entry["key"]] = {k: v for k, v in entry.items() if k not in ("cached", "peak_raised_from_gflops")}
+    cache[entry["key"]] = {k: v for k, v in entry.items() if k not in ("cached", _PEAK.raised_from, _BANDWIDTH.raised_from)}
     path = _cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -270,40 +271,71 @@ def roofline(device: str | torch.device = "cpu", refresh: bool = False, dtype: s
 # ---- the one way to an MFU ----------------------------------------------------------------------
 
 
-def observe(roof: dict, flops_per_s: float) -> bool:
-    """Hold the roofline to an observed rate: a rate above the stored peak makes the peak be measured
-    again (said on stderr); if the rate still beats the fresh measurement, it becomes the peak.
-    Updates `roof` in place and in the cache. Returns whether the peak changed."""
-    old = roof["peak_matmul_gflops"]
-    if flops_per_s <= old * 1e9:
+@dataclass(frozen=True)
+class _Bound:
+    """One of the roofline's two measured bounds, as `_hold` keeps it."""
+    field: str  # the roofline's key, in units of 1e9 per second
+    unit: str
+    name: str  # what it is, for the messages
+    kind: str  # the rates it bounds, for the messages
+    exceeding: str  # what a rate above it would make exceed 1
+    measure: str  # the name of this module's function measuring it afresh (looked up at call time)
+    source: str  # the key saying where the value came from
+    raised_from: str  # the key keeping the value before an observed rate raised it
+
+
+_PEAK = _Bound("peak_matmul_gflops", "GFLOP/s", "peak", "matmul", "MFU", "measure_peak_matmul_flops", "peak_source",
+               "peak_raised_from_gflops")
+_BANDWIDTH = _Bound("memory_bandwidth_gbs", "GB/s", "read bandwidth", "read", "a fraction of the read limit",
+                    "measure_memory_bandwidth", "bandwidth_source", "bandwidth_raised_from_gbs")
+
+
+def _hold(roof: dict, bound: _Bound, rate: float) -> bool:
+    """Hold `bound` to an observed rate (per second): a rate above the stored value makes it be measured
+    again (said on stderr); if the rate still beats the fresh measurement, it becomes the value. Updates
+    `roof` in place and in the cache. Returns whether the value changed."""
+    old = roof[bound.field]
+    if rate <= old * 1e9:
         return False
     device, dtype = torch.device(roof.get("device", "cpu")), roof.get("dtype", "float32")
-    print(f"roofline: observed {flops_per_s / 1e9:.1f} GFLOP/s, above the stored {dtype} peak of {old} GFLOP/s "
-          "(MFU would exceed 1); measuring the peak again", file=sys.stderr)
-    fresh = measure_peak_matmul_flops(device, dtype, roof.get("trials", TRIALS))
-    plausible = flops_per_s <= fresh * IMPLAUSIBLE_FACTOR
-    raised = plausible and flops_per_s > fresh  # the observed rate becomes the peak
+    shown = f"{rate / 1e9:.1f} {bound.unit}"
+    print(f"roofline: observed {shown}, above the stored {dtype} {bound.name} of {old} {bound.unit} "
+          f"({bound.exceeding} would exceed 1); measuring the {bound.name} again", file=sys.stderr)
+    fresh = globals()[bound.measure](device, dtype, roof.get("trials", TRIALS))
+    plausible = rate <= fresh * IMPLAUSIBLE_FACTOR
+    raised = plausible and rate > fresh  # the observed rate becomes the value
     if not plausible:
-        print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s is more than {IMPLAUSIBLE_FACTOR}x the fresh "
-              f"{fresh / 1e9:.1f} GFLOP/s: not a {dtype} matmul rate (another precision's work, or FLOPs miscounted); "
-              "the peak stays measured, and no MFU is given for rates above it", file=sys.stderr)
+        print(f"roofline: the observed {shown} is more than {IMPLAUSIBLE_FACTOR}x the fresh {fresh / 1e9:.1f} "
+              f"{bound.unit}: not a {dtype} {bound.kind} rate (another precision's work, or work miscounted); "
+              f"the {bound.name} stays measured, and no {bound.exceeding} is given for rates above it", file=sys.stderr)
     elif raised:
-        print(f"roofline: the observed {flops_per_s / 1e9:.1f} GFLOP/s still beats the fresh {fresh / 1e9:.1f} "
-              "GFLOP/s and becomes the peak (a measured rate is a lower bound on the peak)", file=sys.stderr)
+        print(f"roofline: the observed {shown} still beats the fresh {fresh / 1e9:.1f} {bound.unit} and becomes "
+              f"the {bound.name} (a measured rate is a lower bound on it)", file=sys.stderr)
     else:
-        print(f"roofline: new peak {fresh / 1e9:.1f} GFLOP/s", file=sys.stderr)
-    best = max(fresh, old * 1e9, flops_per_s if raised else 0.0)
-    roof["peak_matmul_gflops"] = math.ceil(best / 1e8) / 10  # rounded up: the rate divided by it stays <= 1
+        print(f"roofline: new {bound.name} {fresh / 1e9:.1f} {bound.unit}", file=sys.stderr)
+    best = max(fresh, old * 1e9, rate if raised else 0.0)
+    roof[bound.field] = math.ceil(best / 1e8) / 10  # rounded up: the rate divided by it stays <= 1
     roof["ridge_flops_per_byte"] = _ridge(roof)
-    roof["peak_source"] = ("an observed rate above the measured peak" if raised
-                           else f"best of {roof.get('trials', TRIALS)} trials, re-measured")
+    roof[bound.source] = ("an observed rate above the measured value" if raised
+                          else f"best of {roof.get('trials', TRIALS)} trials, re-measured")
     if raised:
-        roof["peak_raised_from_gflops"] = roof.get("peak_raised_from_gflops", old)
+        roof[bound.raised_from] = roof.get(bound.raised_from, old)
     roof["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     roof["cached"] = False
     if "key" in roof:
         _store(roof)
     return True
+
+
+def observe(roof: dict, flops_per_s: float) -> bool:
+    """Hold the roofline's peak to an observed matmul rate (`_hold`): MFU never exceeds 1."""
+    return _hold(roof, _PEAK, flops_per_s)
+
+
+def observe_bandwidth(roof: dict, bytes_per_s: float) -> bool:
+    """Hold the roofline's read bandwidth to an observed read rate (`_hold`): no decode reads its bytes
+    faster than its read limit."""
+    return _hold(roof, _BANDWIDTH, bytes_per_s)
 
 
 def mfu(roof: dict | None, work: Sequence[tuple[float, float]]) -> list[float | None]:

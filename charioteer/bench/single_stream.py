@@ -19,7 +19,7 @@ import numpy as np
 
 from charioteer.bench.common import (PRECISION_SETTINGS, add_engine_bench_args, choices, emit, format_table,
                                      load_engine_bench, progress_bar)
-from charioteer.bench.roofline import cpu_features, cpu_model, roofline
+from charioteer.bench.roofline import cpu_features, cpu_model, observe_bandwidth, roofline
 from charioteer.bench.stats import compare, interleaved, median, put
 from charioteer.config import EngineArgs, setting_kwargs
 from charioteer.engine.llm_engine import LLMEngine
@@ -43,20 +43,28 @@ def streamed_bytes(engine: LLMEngine, context: float) -> float:
 
 
 def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
-            bandwidth_gbs: float, progress=None) -> dict:
+            roof: dict, progress=None) -> dict:
+    """Each format's decode step against the read limit of `roof`'s bandwidth, which the fastest step
+    first holds to its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1."""
     engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **PRECISION_SETTINGS[f]), loaded=loaded) for f in formats}
     samples = interleaved({f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens)))
                            for f in formats}, repeats, warmup=1, after_each=progress.update if progress else None)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
+    reads = {f: streamed_bytes(engines[f], context) for f in formats}
+    observe_bandwidth(roof, max(reads[f] / s for f in formats for s in samples[f]))
+    bandwidth_gbs = roof["memory_bandwidth_gbs"]
     rows = []
     for f in formats:
         row = {"format": f}
         step = put(row, "step_ms", samples[f], scale=1e3)
         put(row, "tok_s", [1 / s for s in samples[f]])
-        read = streamed_bytes(engines[f], context)
+        read = reads[f]
         row["streamed_mb"] = round(read / 1e6, 1)
         row["limit_tok_s"] = round(bandwidth_gbs * 1e9 / read, 1)
-        row["of_limit"] = round(read / (bandwidth_gbs * 1e9) / step.median, 3)
+        of_limit = read / (bandwidth_gbs * 1e9) / step.median
+        # none above 1: a step that still reads faster than the bandwidth ran at a rate observe_bandwidth found
+        # implausible (weights that fit in cache)
+        row["of_limit"] = round(of_limit, 3) if of_limit <= 1 else None
         row["achieved_gbs"] = round(read / step.median / 1e9, 1)
         rows.append(row)
     result = {"rows": rows}
@@ -74,8 +82,7 @@ def cmd_bench_single_stream(args) -> int:
     print(f"model: {loaded.config.name}; one request, {args.prompt_len} prompt tokens, {args.new_tokens} generated; "
           f"read bandwidth {roof['memory_bandwidth_gbs']} GB/s", file=sys.stderr)
     with progress_bar(len(formats) * args.repeats, "runs") as bar:
-        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats,
-                         roof["memory_bandwidth_gbs"], bar)
+        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar)
     result.update({"model": loaded.config.name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
