@@ -318,8 +318,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   return out;
 }
 
-void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                       const torch::Tensor& scale) {
+Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                   const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, " takes fp32 x [M, K]");
   TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
                   panels.size(2) == kPairCols && panels.is_contiguous(),
@@ -328,21 +328,19 @@ void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Te
   TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
               name, " takes one fp32 scale per output column");
+  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
+  return {tile_input(x, kb), scale.contiguous(), torch::empty({m, n}, x.options()), m, k, kb, (n + kTileN - 1) / kTileN};
 }
 
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                               const torch::Tensor& scale) {
   TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
-  check_int8_panels("amx_linear_int8", x, panels, n, scale);
-  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
-  auto out = torch::empty({m, n}, x.options());
-  if (m == 0) return out;
-  const auto a = tile_input(x, kb);
-  const auto scales = scale.contiguous();
-  const float* sw = scales.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  const int64_t nb = (n + kTileN - 1) / kTileN;
-  run_tiles<true>(static_cast<const char*>(a.data_ptr()), a.stride(0) * 2, m, panels.data_ptr(), nb, kb, k, n,
+  const auto g = int8_gemm("amx_linear_int8", x, panels, n, scale);
+  if (g.m == 0) return g.out;
+  const float* sw = g.scales.data_ptr<float>();
+  float* y = g.out.data_ptr<float>();
+  run_tiles<true>(static_cast<const char*>(g.a.data_ptr()), g.a.stride(0) * 2, g.m, panels.data_ptr(), g.nb, g.kb,
+                  g.k, n,
                   [&](int64_t r0, int64_t rows, int64_t j, int64_t cols, const float* c) {
                     for (int64_t r = 0; r < rows; ++r) {
                       const float* src = c + r * kPairCols;
@@ -350,5 +348,5 @@ torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panel
                       for (int64_t q = 0; q < cols; ++q) dst[q] = src[q] * sw[j * kTileN + q];
                     }
                   });
-  return out;
+  return g.out;
 }

@@ -139,16 +139,13 @@ torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& pa
 
 torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                       const torch::Tensor& scale) {
-  check_int8_panels("avx512_bf16_linear_int8", x, panels, n, scale);
-  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK, nb = (n + kTileN - 1) / kTileN;
-  auto out = torch::empty({m, n}, x.options());
-  if (m == 0) return out;
-  const auto a = tile_input(x, kb);
-  const auto scales = scale.contiguous();
-  const float* sw = scales.data_ptr<float>();
-  float* y = out.data_ptr<float>();
+  const auto g = int8_gemm("avx512_bf16_linear_int8", x, panels, n, scale);
+  if (g.m == 0) return g.out;
+  const int64_t k = g.k, kb = g.kb, nb = g.nb;
+  const float* sw = g.scales.data_ptr<float>();
+  float* y = g.out.data_ptr<float>();
   const auto* q = static_cast<const int8_t*>(panels.data_ptr());
-  run_pairs(reinterpret_cast<const uint16_t*>(a.data_ptr()), a.stride(0), m, n, nb, kb, y, nullptr,
+  run_pairs(reinterpret_cast<const uint16_t*>(g.a.data_ptr()), g.a.stride(0), g.m, n, nb, kb, y, nullptr,
             [&](int64_t pair) {  // the panel widened once, for every row block (in L2: 2 KB per 32 k)
               thread_local std::vector<uint16_t> widened;
               if (static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems) widened.resize(2 * kb * kTileElems);
@@ -161,7 +158,7 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
               for (int64_t r = r0; r < r0 + rows; ++r)
                 for (int64_t c = col0; c < col0 + cols; ++c) y[r * n + c] *= sw[c];
             });
-  return out;
+  return g.out;
 }
 
 #else

@@ -46,9 +46,14 @@ torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panel
 // The same product with AVX512-BF16's vdpbf16ps (avx512_bf16_gemm.cpp), as avx512_bf16_linear on q in bf16.
 torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                       const torch::Tensor& scale);
-// Both int8 GEMMs' checks of x, the panels, n and the scales; `name` is the caller's, for the message.
-void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                       const torch::Tensor& scale);
+// Both int8 GEMMs' inputs, checked (`name` is the caller's, for the messages): x rounded to bf16 as
+// tile_input lays it out, the scales contiguous, the fp32 output [M, n], and the sizes.
+struct Int8Gemm {
+  torch::Tensor a, scales, out;
+  int64_t m, k, kb, nb;  // x's rows and columns, K's 32-value steps, n's 16-column blocks
+};
+Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                   const torch::Tensor& scale);
 // k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32]) widened (exactly) to its two column blocks' bf16 in
 // amx_pack's order, step t's at block0 and block1 + (t - t0) * 512 values, zero past k. Needs AVX512-BF16.
 void widen_int8_steps(const int8_t* panel, int64_t k, int64_t t0, int64_t t1, uint16_t* block0, uint16_t* block1);
