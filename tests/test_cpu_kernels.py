@@ -482,7 +482,8 @@ def _int8_tile_kernel(name: str, monkeypatch):
 
     if name == "avx512_bf16":
         monkeypatch.setenv("CHARIOTEER_AMX_INT8", "0")
-    reason = cpu_kernels.amx_int8_unavailable_reason() if name == "amx" else cpu_kernels.avx512_bf16_unavailable_reason()
+    reason = (cpu_kernels.amx_int8_unavailable_reason() if name == "amx"
+              else cpu_kernels.avx512_bf16_unavailable_reason())
     if reason is not None:
         pytest.skip(f"int8 on {name}: {reason}")
     return tile_linear_int8(name)

@@ -58,7 +58,8 @@ WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
-INT8_TILES = "int8 weights, bf16 GEMMs from 8 rows"  # charioteer's int8 where it runs on a tile kernel (AMX, AVX512-BF16)
+# charioteer's int8 where it runs on a tile kernel (AMX, AVX512-BF16)
+INT8_TILES = "int8 weights, bf16 GEMMs from 8 rows"
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
 NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
 # llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.

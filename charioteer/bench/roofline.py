@@ -207,7 +207,8 @@ def _read_cache() -> dict:
 def _store(entry: dict) -> None:
     cache = _read_cache()
     # What happened in this run (read from the cache, raised from a lower peak) is not the entry's.
-    cache[entry["key"]] = {k: v for k, v in entry.items() if k not in ("cached", _PEAK.raised_from, _BANDWIDTH.raised_from)}
+    skipped = ("cached", _PEAK.raised_from, _BANDWIDTH.raised_from)
+    cache[entry["key"]] = {k: v for k, v in entry.items() if k not in skipped}
     path = _cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -299,13 +299,14 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     Per layer: the input and post-attention norm weights and the packed (`pack`) fused QKV, O,
     fused gate/up and down weights; with int8 weights, `weight_scales` holds each layer's four
     column scales (QKV, O, gate/up, down), layer after layer, and a batch of `native_rows` rows or
-    more (0: none) runs `amx_linear_int8` on the panels with `amx_tiles`, else `avx512_bf16_linear_int8`. With bf16 weights, `plain_weights` may
-    hold the four unpacked in the same order: a batch of `native_rows` rows or more then rounds its
-    input to bf16 for torch's bf16 GEMM instead of the panels; smaller ones run the panels, or where
-    the weights were packed by `amx_pack` instead, `amx_linear` with `amx_tiles`, else
-    `avx512_bf16_linear`. `.run(x, h, kv, cos, signed_sin, slot_mapping, slots,
-    lengths)` updates x [D, hidden] in place and returns it; h is x's first input norm, kv the
-    [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as for `decode_attention`.
+    more (0: none) runs `amx_linear_int8` on the panels with `amx_tiles`, else
+    `avx512_bf16_linear_int8`. With bf16 weights, `plain_weights` may hold the four unpacked in the
+    same order: a batch of `native_rows` rows or more then rounds its input to bf16 for torch's bf16
+    GEMM instead of the panels; smaller ones run the panels, or where the weights were packed by
+    `amx_pack` instead, `amx_linear` with `amx_tiles`, else `avx512_bf16_linear`. `.run(x, h, kv,
+    cos, signed_sin, slot_mapping, slots, lengths)` updates x [D, hidden] in place and returns it; h
+    is x's first input norm, kv the [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as
+    for `decode_attention`.
     """
     return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
                                       plain_weights or [], native_rows, amx_tiles, heads, kv_heads, head_dim, intermediate,
