@@ -43,8 +43,7 @@ INT8_CHUNKED_MEAN_LOGPROB_TOL = 1e-4
 # bounded by bf16's earlier 0.3, which no int8 run has come near.
 INT8_TILES_CHUNKED_LOGPROB_TOL = 0.3
 # Whether int8 weights run a tile kernel from 8 rows here (llama.Kernels.int8_tile_kernel).
-INT8_TILES = (cpu_kernels.amx_int8_unavailable_reason() is None
-              or cpu_kernels.avx512_bf16_unavailable_reason() is None)
+INT8_TILES = cpu_kernels.int8_tile_kernel() is not None
 # Greedy tokens that must agree before the first divergence, as a fraction of all tokens (the
 # measured agreement is printed; a divergence ends a sequence's count, so this is a lower bound).
 # bf16 on the 24 prompts below, 16 tokens, Xeon with AMX: transformers bf16 agrees with our fp32 at
@@ -242,7 +241,9 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     _set_int8_tiles(monkeypatch, int8_tiles)
     llm = LLM(default_model, quantization="int8", dtype=dtype, chunk_size=16)
     # the 16-token chunks run on a tile kernel where one runs and its switch is not 0
-    tiles = int8_tiles and INT8_TILES and llm.engine.model.activation_dtype == torch.float32
+    # (asked after the switches are set: INT8_TILES read the environment the run started in)
+    fp32_activations = llm.engine.model.activation_dtype == torch.float32
+    tiles = int8_tiles and cpu_kernels.int8_tile_kernel() is not None and fp32_activations
     assert bool(llm.engine.model.kernels.int8_tile_rows) == tiles
     kernels = llm.engine.capacity()["kernels"]  # charioteer info
     assert (kernels["int8_tile_rows"], kernels["int8_tile_kernel"]) == (
@@ -251,7 +252,6 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     assert isinstance(weights, Int8Linear) and weights.weight.dtype == torch.int8
     # fp32 activations (also widened bf16's) run the int8 panel kernel where the CPU kernels are; bf16
     # ones torch's int8 GEMM
-    fp32_activations = llm.engine.model.activation_dtype == torch.float32
     assert fp32_activations == (dtype == "float32" or llm.engine.model.kernels.widened_bf16)
     assert (weights.panels is not None) == (fp32_activations and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))

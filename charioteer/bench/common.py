@@ -55,9 +55,7 @@ def peak_dtype(dtype: str, quantization: str | None = None, device: str = "cpu")
     (AMX tiles, AVX512-BF16)."""
     from charioteer.model import cpu_kernels
 
-    if (device == "cpu" and quantization == "int8" and dtype == "float32"
-            and (cpu_kernels.amx_int8_unavailable_reason() is None
-                 or cpu_kernels.avx512_bf16_unavailable_reason() is None)):
+    if device == "cpu" and quantization == "int8" and dtype == "float32" and cpu_kernels.int8_tile_kernel():
         return "bfloat16"
     return dtype
 

@@ -348,6 +348,14 @@ def amx_int8_unavailable_reason(isa: str | None = None) -> str | None:
     return reason
 
 
+def int8_tile_kernel(isa: str | None = None) -> str | None:
+    """Which tile-order kernel int8 weights take from llama.INT8_TILE_MIN_ROWS rows here: "amx"
+    (`amx_linear_int8`), else "avx512_bf16" (`avx512_bf16_linear_int8`), else None (the panel kernel)."""
+    if amx_int8_unavailable_reason(isa) is None:
+        return "amx"
+    return "avx512_bf16" if avx512_bf16_unavailable_reason(isa) is None else None
+
+
 def amx_pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """bf16 [N, K] -> [ceil(N/16), ceil(K/32), 16, 32], zero-padded: the weight in the order AMX's
     B tiles read it, each 16 output columns one contiguous stream."""

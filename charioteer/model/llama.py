@@ -426,8 +426,8 @@ class Kernels:
         else where it has AVX512-BF16 (cpu_kernels.avx512_bf16_unavailable_reason) its kernel 1 to
         AVX512_BF16_MAX_ROWS.
         int8 weights (fp32 activations) run batches of INT8_TILE_MIN_ROWS rows or more (`int8_tile_rows`) on
-        AMX tiles where the CPU has them (cpu_kernels.amx_int8_unavailable_reason), else with AVX512-BF16
-        where it has that (cpu_kernels.avx512_bf16_unavailable_reason), fewer on the panel kernel.
+        AMX tiles where the CPU has them, else with AVX512-BF16 where it has that
+        (cpu_kernels.int8_tile_kernel), fewer on the panel kernel.
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
         int8 and widened bf16, except where AMX tiles compute bf16.
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
@@ -451,10 +451,7 @@ class Kernels:
         amx = native_gemm and cpu_kernels.amx_available()
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
-        int8_tiles = None
-        if quantized and native:
-            int8_tiles = ("amx" if cpu_kernels.amx_int8_unavailable_reason() is None else "avx512_bf16"
-                          if cpu_kernels.avx512_bf16_unavailable_reason() is None else None)
+        int8_tiles = cpu_kernels.int8_tile_kernel() if quantized and native else None
         fp32 = dtype == torch.float32 and not quantized
         onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         amx_attention = amx and amx_attention_enabled(config)

@@ -74,9 +74,9 @@ class DecodeLayers {
   // for bf16 with `plain`, into AMX tiles (amx_pack) where the model runs those.
   // `scales`: for int8 panels, each layer's four column scales (qkv, o, gate_up, down) in layer
   // order; empty for fp32 or bf16 panels; a batch of `native_rows` rows or more (0: none) then runs
-  // amx_linear_int8 (`amx_tiles`) or avx512_bf16_linear_int8 on the same panels. `plain`: for bf16 panels, each layer's four weights as
-  // NarrowLinear holds them for oneDNN (plain bf16 or packed by precision.pack_native_bf16), in the
-  // same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
+  // amx_linear_int8 (`amx_tiles`) or avx512_bf16_linear_int8 on the same panels. `plain`: for bf16
+  // panels, each layer's four weights as NarrowLinear holds them for oneDNN (plain bf16 or packed by
+  // precision.pack_native_bf16), in the same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
   // through oneDNN's bf16 GEMM, as NarrowLinear does; empty: the panels only. Weights packed by
   // amx_pack run the smaller batches on AMX tiles with `amx_tiles`, else with AVX512-BF16.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
