@@ -118,11 +118,11 @@ def bandwidth_readers(device: str | torch.device = "cpu") -> list[str]:
     return ["torch"] + ([f"panel {cpu_kernels.chosen_isa()}"] if device.type == "cpu" and cpu_kernels.available() else [])
 
 
-def measure_memory_bandwidth(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
-    """Read bandwidth in bytes/s, best of short trials of each of `bandwidth_readers`: a matrix-vector
-    product over 512 MB (1 GB on GPUs) of weights. That is exactly what a decode step does, so it is
-    the bandwidth decodes can reach.
-    """
+def bandwidth_reader(device: str | torch.device = "cpu", dtype: str = "float32") -> Callable[[int], float]:
+    """A function of `trials` giving the read bandwidth in bytes/s: the best of short trials of each of
+    `bandwidth_readers`, a matrix-vector product over 512 MB (1 GB on GPUs) of weights. That is exactly
+    what a decode step does, so it is the bandwidth decodes can reach. The weights are made once, so a
+    benchmark can read the bandwidth again between its own runs (on a shared machine it moves)."""
     from charioteer.model import cpu_kernels
 
     device = torch.device(device)
@@ -130,13 +130,21 @@ def measure_memory_bandwidth(device: torch.device, dtype: str = "float32", trial
     rows = (32768 if device.type == "cpu" else 65536) * 4 // torch.tensor([], dtype=dt).element_size()
     w = torch.randn(rows, 4096, device=device, dtype=dt)
     x = torch.randn(4096, device=device, dtype=dt)
-    seconds = _best_time(lambda: w @ x, device, trials)
+    calls = [lambda: w @ x]
     if len(bandwidth_readers(device)) > 1:
         panels = cpu_kernels.pack(w)  # the kernel widens bf16 weights: the same bytes are read
-        del w
         x_rows = x.float()[None]
-        seconds = min(seconds, _best_time(lambda: cpu_kernels.linear(x_rows, panels, rows), device, trials))
-    return rows * 4096 * dt.itemsize / seconds
+        calls.append(lambda: cpu_kernels.linear(x_rows, panels, rows))
+
+    def read(trials: int) -> float:
+        return rows * 4096 * dt.itemsize / min(_best_time(call, device, trials) for call in calls)
+
+    return read
+
+
+def measure_memory_bandwidth(device: torch.device, dtype: str = "float32", trials: int = TRIALS) -> float:
+    """Read bandwidth in bytes/s, best of `trials` short trials of `bandwidth_reader`'s products."""
+    return bandwidth_reader(device, dtype)(trials)
 
 
 # ---- what a measurement depends on ------------------------------------------------------------

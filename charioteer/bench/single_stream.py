@@ -6,7 +6,8 @@ own cached K and V: nothing is reused, so its time is bounded below by those byt
 machine's read bandwidth (`roofline`'s, a matrix-vector product over 512 MB). Each format runs in
 its own engine, all built at the start and run interleaved (fp32, bf16, int8, fp32, ...); a round
 generates `--new-tokens` tokens after a `--prompt-len`-token prompt, and its result is the median
-time of its decode-only steps.
+time of its decode-only steps. Each round also reads the bandwidth again, so every step is set
+against the stored (best) bandwidth and against what the memory gave in the same round.
 
 Formats: float32; bfloat16 (weights, activations and KV); int8 (weight-only int8 linear layers and
 LM head, fp32 activations and KV, `quantization="int8"`).
@@ -19,8 +20,8 @@ import numpy as np
 
 from charioteer.bench.common import (PRECISION_SETTINGS, add_engine_bench_args, choices, emit, format_table,
                                      load_engine_bench, progress_bar)
-from charioteer.bench.roofline import cpu_features, cpu_model, observe_bandwidth, roofline
-from charioteer.bench.stats import compare, interleaved, median, put
+from charioteer.bench.roofline import bandwidth_reader, cpu_features, cpu_model, observe_bandwidth, roofline
+from charioteer.bench.stats import cell, compare, interleaved, median, put
 from charioteer.config import EngineArgs, setting_kwargs
 from charioteer.engine.llm_engine import LLMEngine
 from charioteer.request import SamplingParams
@@ -42,35 +43,51 @@ def streamed_bytes(engine: LLMEngine, context: float) -> float:
     return engine.runner.model.streamed_weight_bytes + context * engine.kv_token_bytes
 
 
+READ_TRIALS = 3  # trials of the read bandwidth in each round, beside that round's decode steps
+ROUND_BANDWIDTH = "read bandwidth"  # the interleaved run that reads the bandwidth
+
+
 def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
             roof: dict, progress=None) -> dict:
-    """Each format's decode step against the read limit of `roof`'s bandwidth, which the fastest step
-    first holds to its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1."""
+    """Each format's decode step against two read limits:
+    - `of_limit`: `roof`'s stored bandwidth, which the fastest step (or round's reading) first holds to
+      its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1;
+    - `of_round_limit`: the bandwidth read in the same round (`roofline.bandwidth_reader`), one more run
+      among the interleaved formats. A shared machine's bandwidth moves by a third from one minute to the
+      next, so this pairs each step with what the memory gave at that time."""
     engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **PRECISION_SETTINGS[f]), loaded=loaded) for f in formats}
-    samples = interleaved({f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens)))
-                           for f in formats}, repeats, warmup=1, after_each=progress.update if progress else None)
+    read_bandwidth = bandwidth_reader("cpu")
+    runs = {f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens))) for f in formats}
+    runs[ROUND_BANDWIDTH] = lambda: read_bandwidth(READ_TRIALS)
+    samples = interleaved(runs, repeats, warmup=1, after_each=progress.update if progress else None)
+    round_bandwidths = samples.pop(ROUND_BANDWIDTH)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
     reads = {f: streamed_bytes(engines[f], context) for f in formats}
-    observe_bandwidth(roof, max(reads[f] / s for f in formats for s in samples[f]))
+    observe_bandwidth(roof, max(round_bandwidths + [reads[f] / s for f in formats for s in samples[f]]))
     bandwidth_gbs = roof["memory_bandwidth_gbs"]
-    rows = []
-    for f in formats:
-        row = {"format": f}
-        step = put(row, "step_ms", samples[f], scale=1e3)
-        put(row, "tok_s", [1 / s for s in samples[f]])
-        read = reads[f]
-        row["streamed_mb"] = round(read / 1e6, 1)
-        row["limit_tok_s"] = round(bandwidth_gbs * 1e9 / read, 1)
-        of_limit = read / (bandwidth_gbs * 1e9) / step.median
-        # none above 1: a step that still reads faster than the bandwidth ran at a rate observe_bandwidth found
-        # implausible (weights that fit in cache)
-        row["of_limit"] = round(of_limit, 3) if of_limit <= 1 else None
-        row["achieved_gbs"] = round(read / step.median / 1e9, 1)
-        rows.append(row)
+    rows = [_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths) for f in formats]
     result = {"rows": rows}
+    put(result, "round_bandwidth_gbs", round_bandwidths, scale=1e-9, digits=1)
     for f in formats[1:]:
         compare(result, f"{f}_over_{formats[0]}", [1 / s for s in samples[f]], [1 / s for s in samples[formats[0]]])
     return result
+
+
+def _format_row(fmt: str, steps: list[float], read: float, bandwidth_gbs: float, round_bandwidths: list[float]) -> dict:
+    row = {"format": fmt}
+    step = put(row, "step_ms", steps, scale=1e3)
+    put(row, "tok_s", [1 / s for s in steps])
+    row["streamed_mb"] = round(read / 1e6, 1)
+    row["limit_tok_s"] = round(bandwidth_gbs * 1e9 / read, 1)
+    of_limit = read / (bandwidth_gbs * 1e9) / step.median
+    # none above 1: a step that still reads faster than the bandwidth ran at a rate observe_bandwidth found
+    # implausible (weights that fit in cache)
+    row["of_limit"] = round(of_limit, 3) if of_limit <= 1 else None
+    of_round = put(row, "of_round_limit", [read / b / s for b, s in zip(round_bandwidths, steps)])
+    if of_round.median > 1:  # as of_limit: weights in cache, no fraction
+        row["of_round_limit"] = row["of_round_limit_spread"] = None
+    row["achieved_gbs"] = round(read / step.median / 1e9, 1)
+    return row
 
 
 def cmd_bench_single_stream(args) -> int:
@@ -81,14 +98,15 @@ def cmd_bench_single_stream(args) -> int:
     roof = roofline("cpu")
     print(f"model: {loaded.config.name}; one request, {args.prompt_len} prompt tokens, {args.new_tokens} generated; "
           f"read bandwidth {roof['memory_bandwidth_gbs']} GB/s", file=sys.stderr)
-    with progress_bar(len(formats) * args.repeats, "runs") as bar:
+    with progress_bar((len(formats) + 1) * args.repeats, "runs") as bar:
         result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar)
     result.update({"model": loaded.config.name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
-    lines = [f"{cpu_model()} ({'+'.join(cpu_features())}), read bandwidth {roof['memory_bandwidth_gbs']} GB/s",
+    lines = [f"{cpu_model()} ({'+'.join(cpu_features())}), read bandwidth {roof['memory_bandwidth_gbs']} GB/s "
+             f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds",
              format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
-                                           "of_limit"])]
+                                           "of_limit", "of_round_limit"])]
     lines += [f"{f} over {formats[0]}: {result[f'{f}_over_{formats[0]}']}x "
               f"{result[f'{f}_over_{formats[0]}_spread']} ({result[f'{f}_over_{formats[0]}_verdict']})"
               for f in formats[1:]]
@@ -101,7 +119,8 @@ def add_single_stream_bench(bench_sub) -> None:
         "single-stream", help="one request's decode speed per weight format, against the read-bandwidth limit",
         description="One request at a time: the median decode step of each format (float32, bfloat16, int8) "
                     "over interleaved rounds, the bytes a step streams (weights, norms, LM head and the K/V "
-                    "of its context) and the fraction of the read-bandwidth limit that it reaches.")
+                    "of its context) and the fraction of the read-bandwidth limit that it reaches: the stored "
+                    "bandwidth's and the one read again in each round.")
     add_engine_bench_args(p, dtype=False)  # --formats sets each engine's precision
     p.add_argument("--formats", default="float32,int8",
                    help=f"comma-separated subset of {','.join(PRECISION_SETTINGS)}; the first is the baseline "
