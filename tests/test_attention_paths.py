@@ -77,7 +77,9 @@ class _CountingRunner:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 @pytest.mark.parametrize("kv_policy, quantization, dtype", [("reserve", None, "float32"), ("paged", None, "float32"),
-                                                           ("paged", "int8", "float32"), ("paged", None, "bfloat16"),
+                                                           ("paged", "int8", "float32"),
+                                                           ("paged", "int8-panel", "float32"),
+                                                           ("paged", None, "bfloat16"),
                                                            ("paged", None, "bfloat16-unpacked"),
                                                            ("paged", None, "bfloat16-amx"),
                                                            ("paged", None, "bfloat16-avx512bf16")])
@@ -102,6 +104,9 @@ def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_
         monkeypatch.setattr(llama, "AVX512_BF16_MAX_ROWS", 1)
     else:
         tile_kernel = None
+    if quantization is not None:  # int8: AVX512-VNNI's kernel where it runs, or the panel kernel (int8-panel)
+        monkeypatch.setenv("CHARIOTEER_VNNI", "0" if quantization == "int8-panel" else "1")
+        quantization = "int8"
     # no prefix caching: the second run must compute the same prompts again, not start on cached blocks
     llm = LLM(default_model, max_num_seqs=4, chunk_size=24, kv_policy=kv_policy, enable_prefix_caching=False,
               quantization=quantization, dtype=dtype)

@@ -545,6 +545,94 @@ def test_int8_runs_a_tile_kernel_from_its_rows_and_its_switch_keeps_the_panel_ke
     assert Kernels.choose(config, torch.device("cpu"), quantized=True).int8_tile_rows == 0
 
 
+_VNNI_BLOCK = 128  # x values per int16 scale in vnni_linear_int8
+needs_vnni = pytest.mark.skipif(cpu_kernels.vnni_unavailable_reason() is not None,
+                                reason=f"AVX512-VNNI: {cpu_kernels.vnni_unavailable_reason()}")
+
+
+def _blockwise_int16_product(x, q, scale):
+    """(vnni_linear_int8's product, the bound on its distance from the exact one), in float64: each block of
+    128 values of a row of x rounded to int16 at its largest magnitude / 32767, times q exactly, times the
+    block's scale, summed, times the column scale; each value is then off by at most half a step."""
+    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
+    bound = torch.zeros_like(out)
+    for k0 in range(0, x.shape[1], _VNNI_BLOCK):
+        block, weights = x[:, k0:k0 + _VNNI_BLOCK], q[:, k0:k0 + _VNNI_BLOCK].double()
+        top = block.abs().amax(1, keepdim=True)
+        inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))  # in fp32, as the kernel
+        quantized = torch.round(block * inv).clamp(-32767, 32767).double()
+        out += (quantized @ weights.T) * (top / 32767.0).double()
+        bound += (top / 65534.0).double() * weights.abs().sum(1)
+    return out * scale.double(), bound * scale.double()
+
+
+@needs_vnni
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), n=st.integers(1, 100), k=st.integers(1, 400), outlier=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_vnni_int8_is_the_blockwise_int16_product(rows, n, k, outlier, seed):
+    """vnni_linear_int8 on the panel kernel's int8 panels: x quantized to int16 per block of 128 values, the
+    products summed exactly per block (within fp32 rounding of the float64 reference), whatever K's remainder
+    (odd K pads the last pair); off the exact product by no more than half an int16 step of each block
+    (an outlier 1000 times the others coarsens its own block only), under 1e-4 of the sum of the terms'
+    magnitudes without one; a row's bits do not depend on the batch, its place in it, or strided rows."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    if outlier:
+        x[:, 0] *= 1000.0
+    q, scale = quantize_int8(w)
+    panels = cpu_kernels.pack(q)
+    out = cpu_kernels.vnni_linear_int8(x, panels, n, scale)
+    reference, bound = _blockwise_int16_product(x, q, scale)
+    magnitude = (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T)  # the sum of |terms|
+    assert ((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-30).all()
+    error = (out.double() - x.double() @ (q.double() * scale.double()[:, None]).T).abs()
+    assert (error <= bound + 1e-6 * magnitude + 1e-30).all()
+    if not outlier:
+        assert (error <= 1e-4 * magnitude + 1e-30).all()
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(cpu_kernels.vnni_linear_int8(x[i:i + 1], panels, n, scale)[0], out[i])
+    strided = torch.cat([x, x], 1)[:, :k]
+    assert torch.equal(cpu_kernels.vnni_linear_int8(strided, panels, n, scale), out)
+
+
+@needs_vnni
+def test_int8_takes_vnni_below_the_tile_rows_and_its_switch_keeps_the_panel_kernel(monkeypatch):
+    """Where AVX512-VNNI runs, int8 batches below the tile kernels' rows (all rows the panels take, without
+    them) run vnni_linear_int8 on the same panels; CHARIOTEER_VNNI=0 keeps the panel kernel; VNNI needs
+    the panels."""
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import Kernels
+    from charioteer.model.llama import tile_linear_int8 as llama_tile_int8
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    kernels = Kernels.choose(config, torch.device("cpu"), quantized=True)
+    assert kernels.int8_vnni and not Kernels.choose(config, torch.device("cpu")).int8_vnni  # int8 only
+    lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, kernels.int8_tile_rows,
+                     kernels.int8_tile_kernel, vnni=True)
+    small = torch.randn(3, 128)
+    assert torch.equal(lin(small), cpu_kernels.vnni_linear_int8(small, lin.panels, 96, lin.scale))
+    if kernels.int8_tile_rows:
+        large = torch.randn(kernels.int8_tile_rows, 128)
+        assert torch.equal(lin(large), llama_tile_int8(kernels.int8_tile_kernel)(large, lin.panels, 96, lin.scale))
+    with pytest.raises(ValueError, match="give panel_rows"):
+        Int8Linear(torch.randn(96, 128), torch.float32, vnni=True)
+    with pytest.raises(ValueError, match="int8_vnni"):
+        dataclasses.replace(kernels, panel_rows=0, int8_tile_rows=0, int8_tile_kernel=None)
+    monkeypatch.setenv("CHARIOTEER_VNNI", "0")
+    assert cpu_kernels.vnni_unavailable_reason() == "disabled by CHARIOTEER_VNNI=0"
+    assert not Kernels.choose(config, torch.device("cpu"), quantized=True).int8_vnni
+
+
+def test_vnni_needs_the_avx512_build_and_the_instructions(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "chosen_isa", lambda: "avx2")
+    assert cpu_kernels.vnni_unavailable_reason() == "it is in the avx512 build only, and the kernels here are avx2"
+    monkeypatch.setattr(cpu_kernels, "chosen_isa", lambda: "avx512")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f"})
+    assert cpu_kernels.vnni_unavailable_reason() == "the CPU lacks avx512_vnni"
+
+
 def _causal_attention_fp32(q, k, v, start):
     """The chunk's attention in fp32 on the same bf16 inputs: the reference both bf16 paths are held to."""
     n, keys = q.shape[0], k.shape[0]

@@ -92,8 +92,9 @@ each_bf16_compute = pytest.mark.parametrize("compute", [
 
 
 def _set_int8_tiles(monkeypatch, on: bool) -> None:
-    """int8 on a tile kernel where one runs (on), or on the panel kernel everywhere: both kernels' switches."""
-    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AVX512_BF16"):
+    """int8 on a tile kernel (from 8 rows) and AVX512-VNNI's (below) where they run (on), or on the panel
+    kernel everywhere: every such kernel's switch."""
+    for switch in ("CHARIOTEER_AMX_INT8", "CHARIOTEER_AVX512_BF16", "CHARIOTEER_VNNI"):
         monkeypatch.setenv(switch, "1" if on else "0")
 
 
@@ -245,6 +246,8 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     fp32_activations = llm.engine.model.activation_dtype == torch.float32
     tiles = int8_tiles and cpu_kernels.int8_tile_kernel() is not None and fp32_activations
     assert bool(llm.engine.model.kernels.int8_tile_rows) == tiles
+    vnni = int8_tiles and cpu_kernels.vnni_unavailable_reason() is None and fp32_activations
+    assert llm.engine.model.kernels.int8_vnni == vnni
     kernels = llm.engine.capacity()["kernels"]  # charioteer info
     assert (kernels["int8_tile_rows"], kernels["int8_tile_kernel"]) == (
         llm.engine.model.kernels.int8_tile_rows, llm.engine.model.kernels.int8_tile_kernel)
@@ -255,7 +258,8 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
     assert fp32_activations == (dtype == "float32" or llm.engine.model.kernels.widened_bf16)
     assert (weights.panels is not None) == (fp32_activations and cpu_kernels.available())
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
-    print(f"\n[int8, {dtype} activations, tile kernel {llm.engine.model.kernels.int8_tile_kernel}] greedy agreement "
+    print(f"\n[int8, {dtype} activations, tile kernel {llm.engine.model.kernels.int8_tile_kernel}, VNNI {vnni}] "
+          "greedy agreement "
           f"with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
 

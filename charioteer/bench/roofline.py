@@ -489,6 +489,9 @@ def _stream_backends(device: torch.device, rows: int) -> list[tuple]:
         out.append(("avx512-bf16 bf16", lambda w: cpu_kernels.amx_pack(w.bfloat16()),
                     lambda x, p, w: cpu_kernels.avx512_bf16_linear(x.bfloat16(), p, w.shape[0], bf16_output=True), 2,
                     "bfloat16"))
+    if device.type == "cpu" and cpu_kernels.vnni_unavailable_reason() is None:  # x in int16 per 128 values
+        out.append(("vnni int8", int8_panels, lambda x, p, w: cpu_kernels.vnni_linear_int8(x, p[0], w.shape[0], p[1]),
+                    1, "float32"))
     return out
 
 

@@ -284,30 +284,34 @@ class Int8Linear(NarrowLinear):
     """y = x @ (q * scale[:, None]).T with q int8 (charioteer.model.precision.quantize_int8), in x's dtype.
 
     With the CPU kernels (fp32 activations, `panel_rows` > 0) it runs as a NarrowLinear: the panel
-    kernel widens q in registers. With `tile_rows` and a `tile_kernel` (Kernels.int8_tile_kernel), a
-    batch of that many rows or more runs that kernel on the same panels instead (x rounded to bf16, q
-    widened to bf16). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2 CPU is
-    5-40x slower than the fp32 panel kernel on the same shape.
+    kernel widens q in registers, or with `vnni` (Kernels.int8_vnni) cpu_kernels.vnni_linear_int8 takes
+    those rows (x quantized to int16 per block of 128 values). With `tile_rows` and a `tile_kernel`
+    (Kernels.int8_tile_kernel), a batch of that many rows or more runs that kernel on the same panels
+    instead (x rounded to bf16, q widened to bf16). Without the kernels, torch's weight-only int8 GEMM
+    runs, which on an AVX2 CPU is 5-40x slower than the fp32 panel kernel on the same shape.
     """
 
-    __slots__ = ("tile_rows", "tile_linear")
+    __slots__ = ("tile_rows", "tile_linear", "vnni")
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, panel_rows: int = 0, tile_rows: int = 0,
-                 tile_kernel: str | None = None) -> None:
+                 tile_kernel: str | None = None, vnni: bool = False) -> None:
         if bool(tile_rows) != bool(tile_kernel):
             raise ValueError("int8 on a tile kernel takes both the rows it starts at and the kernel")
-        if tile_rows and not (panel_rows and dtype == torch.float32):
-            raise ValueError("int8 on a tile kernel reads the panels, with fp32 activations: give panel_rows")
+        if (tile_rows or vnni) and not (panel_rows and dtype == torch.float32):
+            raise ValueError("int8 on a tile kernel or VNNI reads the panels, with fp32 activations: give panel_rows")
         q, scale = quantize_int8(weight)
         super().__init__(q, scale.to(dtype), panel_rows)
         self.tile_rows = tile_rows
         self.tile_linear = tile_linear_int8(tile_kernel) if tile_kernel else None
+        self.vnni = vnni
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_rows and x.shape[0] >= self.tile_rows:
             return self.tile_linear(x, self.panels, self.weight.shape[0], self.scale)
         if self.panels is None:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
+        if self.vnni and x.shape[0] <= self.panel_rows:
+            return cpu_kernels.vnni_linear_int8(x, self.panels, self.weight.shape[0], self.scale)
         return super().__call__(x)
 
 
@@ -382,6 +386,7 @@ class Kernels:
     amx_attention: bool = False  # with native_bf16_rows: prompt chunks attend on AMX tiles, not torch's SDPA
     int8_tile_rows: int = 0  # int8 weights: int8_tile_kernel from this many rows (0: never)
     int8_tile_kernel: str | None = None  # its int8 GEMM ("amx" or "avx512_bf16", tile_linear_int8)
+    int8_vnni: bool = False  # int8 weights: cpu_kernels.vnni_linear_int8 for the panel kernel's rows
     onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
     vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
 
@@ -401,8 +406,9 @@ class Kernels:
         if self.int8_tile_kernel not in TILE_KERNELS or bool(self.int8_tile_rows) != bool(self.int8_tile_kernel):
             raise ValueError(f"int8_tile_kernel {self.int8_tile_kernel!r} must be one of {TILE_KERNELS[1:]}, "
                              "given with int8_tile_rows, or None without them")
-        if self.int8_tile_rows and not self.panel_rows:
-            raise ValueError("int8_tile_rows runs int8 weights from the panel kernel's panels: it needs them")
+        if (self.int8_tile_rows or self.int8_vnni) and not self.panel_rows:
+            raise ValueError("int8_tile_rows and int8_vnni run int8 weights from the panel kernel's panels: "
+                             "they need them")
         if self.vector_attention and self.amx_attention:
             raise ValueError("prompt chunks attend on AMX tiles or in the vector kernel, not both")
         if self.onednn_fp32 and (self.packed_gemm or self.invariant):
@@ -427,7 +433,8 @@ class Kernels:
         AVX512_BF16_MAX_ROWS.
         int8 weights (fp32 activations) run batches of INT8_TILE_MIN_ROWS rows or more (`int8_tile_rows`) on
         AMX tiles where the CPU has them, else with AVX512-BF16 where it has that
-        (cpu_kernels.int8_tile_kernel), fewer on the panel kernel.
+        (cpu_kernels.int8_tile_kernel), fewer on the panel kernel, or with AVX512-VNNI on
+        cpu_kernels.vnni_linear_int8 (`int8_vnni`, cpu_kernels.vnni_unavailable_reason).
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
         int8 and widened bf16, except where AMX tiles compute bf16.
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
@@ -452,6 +459,7 @@ class Kernels:
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         int8_tiles = cpu_kernels.int8_tile_kernel() if quantized and native else None
+        int8_vnni = quantized and native and cpu_kernels.vnni_unavailable_reason() is None
         fp32 = dtype == torch.float32 and not quantized
         onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         amx_attention = amx and amx_attention_enabled(config)
@@ -465,7 +473,8 @@ class Kernels:
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
                    amx_attention=amx_attention, vector_attention=vector,
-                   int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles)
+                   int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles,
+                   int8_vnni=int8_vnni)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -652,7 +661,8 @@ class LlamaModel:
 
         def linear(weight: torch.Tensor, bf16_output: bool = False) -> Linear | NarrowLinear:
             if self.quantization == "int8":
-                return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel)
+                return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel,
+                                  k.int8_vnni)
             if k.widened_bf16:
                 return NarrowLinear(weight, None, k.panel_rows, k.native_bf16_rows, bf16_output, k.tile_kernel)
             return Linear(weight, k.packed_gemm, k.panel_rows, k.invariant is not None, k.onednn_fp32)
@@ -682,7 +692,7 @@ class LlamaModel:
                 if self.quantization == "int8" else None,
                 plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
                 if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.int8_tile_rows,
-                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel))
+                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel), int8_vnni=k.int8_vnni)
 
     @property
     def weight_bytes(self) -> int:

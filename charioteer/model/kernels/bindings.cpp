@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, int64_t, bool, int64_t, int64_t, int64_t, int64_t, double, double>())
+                    std::vector<torch::Tensor>, int64_t, bool, bool, int64_t, int64_t, int64_t, int64_t, double,
+                    double>())
       .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("amx_ready", &amx_ready, "whether Linux granted this process AMX's tile state");
@@ -27,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
   m.def("avx512_bf16_linear_int8", &avx512_bf16_linear_int8,
         "x fp32 @ (q * scale).T with AVX512-BF16 for int8 panels: q widened to bf16, x rounded to it");
+  m.def("vnni_linear_int8", &vnni_linear_int8,
+        "x fp32 @ (q * scale).T with AVX512-VNNI for int8 panels: x quantized to int16 per block of 128 values");
   m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in vectors", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"), py::arg("out"), py::arg("bf16_products") = false);

@@ -46,6 +46,11 @@ torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panel
 // The same product with AVX512-BF16's vdpbf16ps (avx512_bf16_gemm.cpp), as avx512_bf16_linear on q in bf16.
 torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                       const torch::Tensor& scale);
+// x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] with AVX512-VNNI (vnni_gemm.cpp), on the same int8
+// panels: each row's blocks of 128 x values quantized to int16 with their own scale, int16 products summed
+// exactly per block. For the rows below the tile kernels'; the avx512 build only, where the CPU has AVX512-VNNI.
+torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                               const torch::Tensor& scale);
 // Both int8 GEMMs' inputs, checked (`name` is the caller's, for the messages): x rounded to bf16 as
 // tile_input lays it out, the scales contiguous, the fp32 output [M, n], and the sizes.
 struct Int8Gemm {
@@ -82,7 +87,8 @@ class DecodeLayers {
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
-               bool amx_tiles, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale);
+               bool amx_tiles, bool int8_vnni, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+               double eps, double scale);
 
   // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
   // weight; kv [layers, 2, slots + 1, kv_heads, dim]; cos, signed_sin [D, dim]; slot_mapping [D];
@@ -98,7 +104,7 @@ class DecodeLayers {
 
   std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_, plain_;
   int64_t native_rows_;
-  bool amx_tiles_;
+  bool amx_tiles_, int8_vnni_;
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
 };

@@ -1,0 +1,157 @@
+// Decode-sized GEMMs on int8 weights with AVX512-VNNI's vpdpwssd, for the rows below the tile kernels'
+// (llama.INT8_TILE_MIN_ROWS): one request's decode step, above all.
+//
+// The panel kernel widens each int8 weight to fp32 (two instructions per 16 weights) for one FMA, so
+// at one row it is bound by that widening, not by memory. Here x is quantized instead: each row's
+// every block of kBlockK values to int16 with its own scale (its largest magnitude over 32767, so a
+// value is off by at most 1/65534 of its block's largest: a thousand times finer than bf16's
+// rounding for values near the largest, and blocks keep one outlier from coarsening a whole row).
+// Weights are sign-extended to int16, two k rows interleaved per column, and vpdpwssd adds both
+// products of a column's k pair into an int32 sum: 32 weights in three instructions. Sums are exact
+// within a block (at most 128 * 32767 * 128 < 2^31), turned into fp32 there, scaled by the block's
+// scale and added up block after block in k order, then times the column's scale.
+//
+// The weight is the panel kernel's ([N/32][K][32] int8, cpu_kernels.pack), so the model keeps one copy.
+// A row's result depends on its own row of x alone. In the AVX-512 build only (the functions carry
+// AVX512-VNNI's target attribute); the caller checks the CPU first (cpu_kernels.vnni_unavailable_reason).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include "amx_tiles.h"  // kPairCols: the AVX-512 build's panel width
+
+namespace {
+
+constexpr int64_t kBlockK = 128;  // x values sharing one int16 scale; a block's int32 sums cannot overflow
+constexpr int64_t kMaxRows = 8;   // rows per pass over a panel: 8 x 2 int32 sums in registers
+
+// x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), and
+// one fp32 scale per row and block ([m][blocks]).
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int32_t* pairs, float* scales) {
+  const int64_t kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * ldx;
+    auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
+    q[2 * kp - 1] = 0;  // odd k: the last pair's second value
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = b * kBlockK, k1 = std::min(k, k0 + kBlockK);
+      float top = 0.f;
+      for (int64_t i = k0; i < k1; ++i) top = std::max(top, std::fabs(row[i]));
+      const float inv = top > 0.f ? 32767.f / top : 0.f;
+      scales[r * blocks + b] = top / 32767.f;
+      for (int64_t i = k0; i < k1; ++i)
+        q[i] = static_cast<int16_t>(std::clamp(std::nearbyint(row[i] * inv), -32767.f, 32767.f));
+    }
+  }
+}
+
+// Column c of a panel's 32 sits in lane kLane[c] of the two sums (0-15 the first, 16-31 the second):
+// unpacking two k rows' int16 interleaves within each 128-bit lane, so a sum holds columns 8L + 0..3
+// (first) or 8L + 4..7 (second) in its lanes 4L .. 4L + 3.
+constexpr std::array<int, 32> column_lanes() {
+  std::array<int, 32> lanes{};
+  for (int c = 0; c < 32; ++c) lanes[c] = (c % 8 < 4 ? 0 : 16) + 4 * (c / 8) + c % 4;
+  return lanes;
+}
+constexpr auto kLane = column_lanes();
+
+// Rows [0, R) of x times one 32-column panel over all of k, into y's first `cols` columns (times `wscale`).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(const int32_t* pairs, int64_t kp,
+                                                                       const float* xscale, int64_t blocks,
+                                                                       const int8_t* panel, int64_t k,
+                                                                       const float* wscale, float* y, int64_t ldy,
+                                                                       int64_t cols) {
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    const int64_t p0 = b * kBlockK / 2, p1 = std::min(kp, p0 + kBlockK / 2);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* rows = panel + 2 * p * kPairCols;  // k rows 2p and 2p + 1, 32 bytes each
+      const __m512i even = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows)));
+      const __m512i odd = 2 * p + 1 < k
+          ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + kPairCols)))
+          : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(even, odd), hi = _mm512_unpackhi_epi16(even, odd);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(pairs[r * kp + p]);
+        sum[r][0] = _mm512_dpwssd_epi32(sum[r][0], xb, lo);
+        sum[r][1] = _mm512_dpwssd_epi32(sum[r][1], xb, hi);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(xscale[r * blocks + b]);
+      for (int v = 0; v < 2; ++v) total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][v]), s, total[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float lanes[32];
+    _mm512_store_ps(lanes, total[r][0]);
+    _mm512_store_ps(lanes + 16, total[r][1]);
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = lanes[kLane[c]] * wscale[c];
+  }
+}
+
+using PanelRows = void (*)(const int32_t*, int64_t, const float*, int64_t, const int8_t*, int64_t, const float*,
+                           float*, int64_t, int64_t);
+
+template <int... R>
+constexpr std::array<PanelRows, sizeof...(R) + 1> panel_rows_by_count(std::integer_sequence<int, R...>) {
+  return {nullptr, panel_rows<R + 1>...};
+}
+constexpr auto kPanelRows = panel_rows_by_count(std::make_integer_sequence<int, kMaxRows>());
+
+}  // namespace
+
+torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                               const torch::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "vnni_linear_int8 takes fp32 x [M, K]");
+  TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
+                  panels.size(2) == kPairCols && panels.is_contiguous(),
+              "vnni_linear_int8 takes int8 weights packed into 32-column panels (cpu_kernels.pack, AVX-512 build)");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ", panels.size(1));
+  TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
+              "vnni_linear_int8 takes one fp32 scale per output column");
+  const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
+  auto xscale = torch::empty({m, blocks}, x.options());
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
+  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>());
+  const auto sc = scale.contiguous();
+  const int32_t* pp = pairs.data_ptr<int32_t>();
+  const float* xs = xscale.data_ptr<float>();
+  const float* ws = sc.data_ptr<float>();
+  const auto* w = panels.data_ptr<int8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t col0 = j * kPairCols, cols = std::min(n - col0, kPairCols);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - r0);
+        kPanelRows[rows](pp + r0 * kp, kp, xs + r0 * blocks, blocks, w + j * k * kPairCols, k, ws + col0,
+                         out + r0 * n + col0, n, cols);
+      }
+    }
+  });
+  return y;
+}
+
+#else
+
+torch::Tensor vnni_linear_int8(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&) {
+  TORCH_CHECK(false, "vnni_linear_int8 is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
+}
+
+#endif
