@@ -43,7 +43,7 @@ def streamed_bytes(engine: LLMEngine, context: float) -> float:
     return engine.runner.model.streamed_weight_bytes + context * engine.kv_token_bytes
 
 
-READ_TRIALS = 3  # trials of the read bandwidth in each round, beside that round's decode steps
+READ_TRIALS = 5  # trials of the read bandwidth in each round, beside that round's decode steps
 ROUND_BANDWIDTH = "read bandwidth"  # the interleaved run that reads the bandwidth
 
 
@@ -52,17 +52,20 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
     """Each format's decode step against two read limits:
     - `of_limit`: `roof`'s stored bandwidth, which the fastest step (or round's reading) first holds to
       its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1;
-    - `of_round_limit`: the bandwidth read in the same round (`roofline.bandwidth_reader`), one more run
-      among the interleaved formats. A shared machine's bandwidth moves by a third from one minute to the
-      next, so this pairs each step with what the memory gave at that time."""
+    - `of_round_limit`: the bandwidth read in the same round (`roofline.bandwidth_reader`, one more run
+      among the interleaved formats), or the round's fastest step's read rate where that is higher. A
+      shared machine's bandwidth moves by a third from one hour to the next, so this pairs each step
+      with what the memory gave at that time."""
     engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **PRECISION_SETTINGS[f]), loaded=loaded) for f in formats}
     read_bandwidth = bandwidth_reader("cpu")
     runs = {f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens))) for f in formats}
     runs[ROUND_BANDWIDTH] = lambda: read_bandwidth(READ_TRIALS)
     samples = interleaved(runs, repeats, warmup=1, after_each=progress.update if progress else None)
-    round_bandwidths = samples.pop(ROUND_BANDWIDTH)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
     reads = {f: streamed_bytes(engines[f], context) for f in formats}
+    # a round's limit is at least what its fastest step read (as roofline.observe_bandwidth holds the stored one)
+    round_bandwidths = [max([reading] + [reads[f] / samples[f][i] for f in formats])
+                        for i, reading in enumerate(samples.pop(ROUND_BANDWIDTH))]
     observe_bandwidth(roof, max(round_bandwidths + [reads[f] / s for f in formats for s in samples[f]]))
     bandwidth_gbs = roof["memory_bandwidth_gbs"]
     rows = [_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths) for f in formats]
@@ -83,9 +86,7 @@ def _format_row(fmt: str, steps: list[float], read: float, bandwidth_gbs: float,
     # none above 1: a step that still reads faster than the bandwidth ran at a rate observe_bandwidth found
     # implausible (weights that fit in cache)
     row["of_limit"] = round(of_limit, 3) if of_limit <= 1 else None
-    of_round = put(row, "of_round_limit", [read / b / s for b, s in zip(round_bandwidths, steps)])
-    if of_round.median > 1:  # as of_limit: weights in cache, no fraction
-        row["of_round_limit"] = row["of_round_limit_spread"] = None
+    put(row, "of_round_limit", [read / b / s for b, s in zip(round_bandwidths, steps)])
     row["achieved_gbs"] = round(read / step.median / 1e9, 1)
     return row
 
