@@ -559,7 +559,8 @@ def _blockwise_int16_product(x, q, scale):
     for k0 in range(0, x.shape[1], _VNNI_BLOCK):
         block, weights = x[:, k0:k0 + _VNNI_BLOCK], q[:, k0:k0 + _VNNI_BLOCK].double()
         top = block.abs().amax(1, keepdim=True)
-        inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))  # in fp32, as the kernel
+        # 32767 / top in fp32, as the kernel (torch's `32767.0 / top` multiplies by top's reciprocal: another rounding)
+        inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
         quantized = torch.round(block * inv).clamp(-32767, 32767).double()
         out += (quantized @ weights.T) * (top / 32767.0).double()
         bound += (top / 65534.0).double() * weights.abs().sum(1)

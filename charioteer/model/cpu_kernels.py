@@ -360,18 +360,24 @@ def int8_tile_kernel(isa: str | None = None) -> str | None:
     return "avx512_bf16" if avx512_bf16_unavailable_reason(isa) is None else None
 
 
-def vnni_unavailable_reason(isa: str | None = None) -> str | None:
-    """None when `vnni_linear_int8` runs here (the avx512 build, a CPU with AVX512-VNNI, and CHARIOTEER_VNNI
-    is not 0), else why not."""
-    if os.environ.get("CHARIOTEER_VNNI", "1") == "0":
-        return "disabled by CHARIOTEER_VNNI=0"
+def _avx512_extension_reason(switch: str, flag: str, isa: str | None) -> str | None:
+    """None when a kernel of the avx512 build that needs the CPU flag `flag` runs here and the environment
+    variable `switch` is not 0, else why not."""
+    if os.environ.get(switch, "1") == "0":
+        return f"disabled by {switch}=0"
     isa = isa or chosen_isa()
     if isa != "avx512":
         return f"it is in the avx512 build only, and the kernels here are {isa or 'none'}"
     cpu = cpu_flags()
-    if not cpu or "avx512_vnni" not in cpu:
-        return "the CPU lacks avx512_vnni"
+    if not cpu or flag not in cpu:
+        return f"the CPU lacks {flag}"
     return None
+
+
+def vnni_unavailable_reason(isa: str | None = None) -> str | None:
+    """None when `vnni_linear_int8` runs here (the avx512 build, a CPU with AVX512-VNNI, and CHARIOTEER_VNNI
+    is not 0), else why not."""
+    return _avx512_extension_reason("CHARIOTEER_VNNI", "avx512_vnni", isa)
 
 
 def vnni_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,
@@ -402,15 +408,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool 
 def avx512_bf16_unavailable_reason(isa: str | None = None) -> str | None:
     """None when `avx512_bf16_linear` runs here (the avx512 build, a CPU with AVX512-BF16, and
     CHARIOTEER_AVX512_BF16 is not 0), else why not."""
-    if os.environ.get("CHARIOTEER_AVX512_BF16", "1") == "0":
-        return "disabled by CHARIOTEER_AVX512_BF16=0"
-    isa = isa or chosen_isa()
-    if isa != "avx512":
-        return f"it is in the avx512 build only, and the kernels here are {isa or 'none'}"
-    cpu = cpu_flags()
-    if not cpu or "avx512_bf16" not in cpu:
-        return "the CPU lacks avx512_bf16"
-    return None
+    return _avx512_extension_reason("CHARIOTEER_AVX512_BF16", "avx512_bf16", isa)
 
 
 def avx512_bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool = False,
