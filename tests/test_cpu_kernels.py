@@ -575,8 +575,8 @@ def test_vnni_int8_is_the_blockwise_int16_product(rows, n, k, outlier, seed):
     """vnni_linear_int8 on the panel kernel's int8 panels: x quantized to int16 per block of 128 values, the
     products summed exactly per block (within fp32 rounding of the float64 reference), whatever K's remainder
     (odd K pads the last pair); off the exact product by no more than half an int16 step of each block
-    (an outlier 1000 times the others coarsens its own block only), under 1e-4 of the sum of the terms'
-    magnitudes without one; a row's bits do not depend on the batch, its place in it, or strided rows."""
+    (an outlier 1000 times the others coarsens its own block only); a row's bits do not depend on the batch,
+    its place in it, or strided rows."""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     if outlier:
@@ -589,8 +589,6 @@ def test_vnni_int8_is_the_blockwise_int16_product(rows, n, k, outlier, seed):
     assert ((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-30).all()
     error = (out.double() - x.double() @ (q.double() * scale.double()[:, None]).T).abs()
     assert (error <= bound + 1e-6 * magnitude + 1e-30).all()
-    if not outlier:
-        assert (error <= 1e-4 * magnitude + 1e-30).all()
     for i in {0, rows // 2, rows - 1}:
         assert torch.equal(cpu_kernels.vnni_linear_int8(x[i:i + 1], panels, n, scale)[0], out[i])
     strided = torch.cat([x, x], 1)[:, :k]
