@@ -2,7 +2,8 @@
 // (llama.INT8_TILE_MIN_ROWS): one request's decode step, above all.
 //
 // The panel kernel widens each int8 weight to fp32 (two instructions per 16 weights) for one FMA, so
-// at one row it is bound by that widening, not by memory. Here x is quantized instead: each row's
+// from a few rows on, or with the weights in cache, it is bound by that widening (at one row from
+// memory, memory bounds both on a Zen 4: BENCHMARKS.md). Here x is quantized instead: each row's
 // every block of kBlockK values to int16 with its own scale (its largest magnitude over 32767, so a
 // value is off by at most 1/65534 of its block's largest: a thousand times finer than bf16's
 // rounding for values near the largest, and blocks keep one outlier from coarsening a whole row).
