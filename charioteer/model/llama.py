@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from charioteer.model import cpu_kernels, invariant
+from charioteer.model import cpu_kernels, huge_pages, invariant
 from charioteer.model.config import ModelConfig
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
@@ -680,6 +680,10 @@ class LlamaModel:
             self.lm_head_linear = linear(self.lm_head)
             if self.quantization == "int8" and self.lm_head is not self.embed:
                 self.lm_head = None  # the int8 copy replaces it
+        packed = [lin for lin in [*(lin for layer in self.linears for lin in layer.values()), self.lm_head_linear]
+                  if lin is not None and lin.panels is not None]
+        for lin, panels in zip(packed, huge_pages.into_arena([lin.panels for lin in packed])):
+            lin.panels = panels
         self.decode_layers = None
         if k.decode_layers:
             self.decode_layers = cpu_kernels.decode_layers(
