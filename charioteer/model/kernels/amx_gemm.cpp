@@ -318,8 +318,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
   return out;
 }
 
-Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                   const torch::Tensor& scale) {
+void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                       const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, " takes fp32 x [M, K]");
   TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
                   panels.size(2) == kPairCols && panels.is_contiguous(),
@@ -328,6 +328,11 @@ Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor
   TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
               name, " takes one fp32 scale per output column");
+}
+
+Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                   const torch::Tensor& scale) {
+  check_int8_panels(name, x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
   return {tile_input(x, kb), scale.contiguous(), torch::empty({m, n}, x.options()), m, k, kb, (n + kTileN - 1) / kTileN};
 }

@@ -51,7 +51,10 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 // exactly per block. For the rows below the tile kernels'; the avx512 build only, where the CPU has AVX512-VNNI.
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                const torch::Tensor& scale);
-// Both int8 GEMMs' inputs, checked (`name` is the caller's, for the messages): x rounded to bf16 as
+// The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).
+void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                       const torch::Tensor& scale);
+// Both tile-order int8 GEMMs' inputs, checked (`name` is the caller's, for the messages): x rounded to bf16 as
 // tile_input lays it out, the scales contiguous, the fp32 output [M, n], and the sizes.
 struct Int8Gemm {
   torch::Tensor a, scales, out;

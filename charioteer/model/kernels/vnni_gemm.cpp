@@ -115,14 +115,7 @@ constexpr auto kPanelRows = panel_rows_by_count(std::make_integer_sequence<int, 
 
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                const torch::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "vnni_linear_int8 takes fp32 x [M, K]");
-  TORCH_CHECK(panel_width() == kPairCols && panels.dim() == 3 && panels.scalar_type() == torch::kChar &&
-                  panels.size(2) == kPairCols && panels.is_contiguous(),
-              "vnni_linear_int8 takes int8 weights packed into 32-column panels (cpu_kernels.pack, AVX-512 build)");
-  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ", panels.size(1));
-  TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
-              "vnni_linear_int8 takes one fp32 scale per output column");
+  check_int8_panels("vnni_linear_int8", x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
