@@ -79,6 +79,7 @@ class _CountingRunner:
 @pytest.mark.parametrize("kv_policy, quantization, dtype", [("reserve", None, "float32"), ("paged", None, "float32"),
                                                            ("paged", "int8", "float32"),
                                                            ("paged", "int8-panel", "float32"),
+                                                           ("paged", "gguf", "float32"),
                                                            ("paged", None, "bfloat16"),
                                                            ("paged", None, "bfloat16-unpacked"),
                                                            ("paged", None, "bfloat16-amx"),
@@ -104,7 +105,7 @@ def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_
         monkeypatch.setattr(llama, "AVX512_BF16_MAX_ROWS", 1)
     else:
         tile_kernel = None
-    if quantization is not None:  # int8: AVX512-VNNI's kernel where it runs, or the panel kernel (int8-panel)
+    if quantization in ("int8", "int8-panel"):  # AVX512-VNNI's kernel where it runs, or the panel kernel
         monkeypatch.setenv("CHARIOTEER_VNNI", "0" if quantization == "int8-panel" else "1")
         quantization = "int8"
     # no prefix caching: the second run must compute the same prompts again, not start on cached blocks

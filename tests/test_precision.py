@@ -319,4 +319,4 @@ def test_bench_single_stream_refuses_an_unknown_format(capsys):
     from charioteer.cli import main
 
     assert main(["bench", "single-stream", "--model", "synthetic:tiny", "--formats", "float32,int4"]) != 0
-    assert "--formats: unknown int4; choose from float32, bfloat16, int8" in capsys.readouterr().err
+    assert "--formats: unknown int4; choose from float32, bfloat16, int8, gguf" in capsys.readouterr().err

@@ -44,9 +44,11 @@ def choices(text: str, allowed, flag: str) -> list[str]:
 
 
 # A benchmark's precision names and the engine settings each means: int8 is weight-only, with fp32
-# activations and KV (`bench single-stream --formats`, `bench peers --dtypes`).
+# activations and KV; gguf runs the GGUF file's own Q4_1/Q8_0 blocks, with fp32 activations and KV
+# (`bench single-stream --formats`, `bench peers --dtypes`).
 PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-                      "int8": {"dtype": "float32", "quantization": "int8"}}
+                      "int8": {"dtype": "float32", "quantization": "int8"},
+                      "gguf": {"dtype": "float32", "quantization": "gguf"}}
 
 
 def peak_dtype(dtype: str, quantization: str | None = None, device: str = "cpu") -> str:

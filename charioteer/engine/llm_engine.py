@@ -61,7 +61,8 @@ class LLMEngine:
                 quantization=args.quantization, batch_invariant=args.batch_invariant)
         else:
             self.model = LlamaModel(config, loaded.state_dict, args.device, dtype=self.dtype,
-                                    quantization=args.quantization, batch_invariant=args.batch_invariant)
+                                    quantization=args.quantization, batch_invariant=args.batch_invariant,
+                                    gguf_blocks=loaded.gguf_blocks)
             self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
         # Grammars for structured outputs, compiled once per distinct constraint (xgrammar).

@@ -72,7 +72,8 @@ HEAD_DIMS = (64, 128)  # head sizes decode_attention is built for
 _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = [_KERNELS / name for name in
             ("bindings.cpp", "panel_gemm.cpp", "decode_attention.cpp", "row_ops.cpp", "decode_layers.cpp",
-             "amx_gemm.cpp", "amx_attention.cpp", "avx512_bf16_gemm.cpp", "prefill_attention.cpp", "vnni_gemm.cpp")]
+             "amx_gemm.cpp", "amx_attention.cpp", "avx512_bf16_gemm.cpp", "prefill_attention.cpp", "vnni_gemm.cpp",
+             "gguf_gemm.cpp")]
 _HEADERS = [_KERNELS / name for name in ("vec_math.h", "kernels.h", "amx_tiles.h")]
 # Where builds are cached, read once at import: a process that later points XDG_CACHE_HOME elsewhere
 # (the tests do, to keep a roofline cache private) must not rebuild the kernels there (2-3 minutes).
@@ -388,6 +389,20 @@ def vnni_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch
     in int32 per block, then in fp32 block after block, times the column's scale. A row's result depends on
     its own row of x alone. At one row about three times fewer instructions than `linear`'s widening."""
     return _kernels(isa).vnni_linear_int8(x, panels, n, scale)
+
+
+def gguf_unavailable_reason(isa: str | None = None) -> str | None:
+    """None when `gguf_linear` runs here (the avx512 build, and CHARIOTEER_GGUF_KERNEL is not 0), else why not."""
+    return _avx512_extension_reason("CHARIOTEER_GGUF_KERNEL", "avx512bw", isa)
+
+
+def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
+    """x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's Q4_1 or Q8_0 blocks, packed by
+    gguf_blocks.GGUFWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
+    scale, the weights' q widened to int16, the products summed exactly in int32 per block, then scaled by
+    the block's d (and m times the block's sum of x for Q4_1) in fp32, block after block. A row's result
+    depends on its own row of x alone."""
+    return _kernels(isa).gguf_linear(x, packed, n)
 
 
 def amx_pack(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, huge_pages, invariant
 from charioteer.model.config import ModelConfig
+from charioteer.model.gguf_blocks import GGUFWeight, concat
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
                                         quantize_int8)
@@ -315,6 +316,27 @@ class Int8Linear(NarrowLinear):
         return super().__call__(x)
 
 
+class GGUFLinear:
+    """y = x @ W.T for W in a GGUF file's own Q4_1 or Q8_0 blocks (gguf_blocks.GGUFWeight), repacked once for
+    cpu_kernels.gguf_linear, with no fp32 copy: each row of x quantized to int16 per block of 32 values, the
+    products summed exactly per block. fp32 in and out; x in another dtype is widened and the product rounded
+    back to it."""
+
+    __slots__ = ("panels", "n")
+
+    def __init__(self, weight: GGUFWeight) -> None:
+        self.panels = weight.pack()
+        self.n = weight.rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_kernels.gguf_linear(x.float(), self.panels, self.n)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel()
+
+
 class TorchRowOps:
     """A layer's element-wise steps as torch ops."""
 
@@ -389,6 +411,7 @@ class Kernels:
     int8_vnni: bool = False  # int8 weights: cpu_kernels.vnni_linear_int8 for the panel kernel's rows
     onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
     vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
+    gguf: bool = False  # quantization="gguf": a GGUF file's own blocks on cpu_kernels.gguf_linear (GGUFLinear)
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -417,7 +440,7 @@ class Kernels:
 
     @classmethod
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
-               quantized: bool = False, batch_invariant: bool = False) -> Kernels:
+               quantized: bool = False, batch_invariant: bool = False, gguf: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
         GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0, or oneDNN's in place of MKL's GEMMs where
@@ -437,10 +460,11 @@ class Kernels:
         cpu_kernels.vnni_linear_int8 (`int8_vnni`, cpu_kernels.vnni_unavailable_reason).
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
         int8 and widened bf16, except where AMX tiles compute bf16.
+        `gguf`: a GGUF file's blocks on cpu_kernels.gguf_linear where it runs (else as dtype's weights run).
         `batch_invariant` (fp32, no quantization): every kernel but MKL's on
         the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
         if batch_invariant:
-            if dtype != torch.float32 or quantized:
+            if dtype != torch.float32 or quantized or gguf:
                 raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
             native = invariant.choose_path(device, config.head_dim) == "native"
             return cls(panel_rows=cpu_kernels.max_rows() if native else 0, packed_gemm=False, row_ops=native,
@@ -474,7 +498,7 @@ class Kernels:
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
                    amx_attention=amx_attention, vector_attention=vector,
                    int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles,
-                   int8_vnni=int8_vnni)
+                   int8_vnni=int8_vnni, gguf=gguf and kernels and cpu_kernels.gguf_unavailable_reason() is None)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -587,6 +611,14 @@ def _layer_weights(w, p: str) -> dict[str, torch.Tensor]:
     )
 
 
+def _layer_blocks(blocks: dict[str, GGUFWeight], p: str) -> dict[str, GGUFWeight | None]:
+    """Layer `p`'s fused weights in GGUF blocks, as _layer_weights fuses them; None where a part has none."""
+    part = blocks.get
+    return dict(qkv=concat([part(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                o=part(p + "self_attn.o_proj.weight"), gate_up=concat([part(p + "mlp.gate_proj.weight"), part(p + "mlp.up_proj.weight")]),
+                down=part(p + "mlp.down_proj.weight"))
+
+
 def _rope_tables(c: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin (see apply_rope) of every position's rotary angles: [max_position, head_dim] each,
     computed in fp32 and rounded to `dtype`."""
@@ -606,15 +638,21 @@ def _unprofiled(_name: str, fn):
 class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  layer_range: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32,
-                 quantization: str | None = None, batch_invariant: bool = False) -> None:
+                 quantization: str | None = None, batch_invariant: bool = False,
+                 gguf_blocks: dict[str, GGUFWeight] | None = None) -> None:
         """`layer_range` = (start, end): hold only layers [start, end), as a pipeline stage does.
 
         The first stage holds the embedding, the last the final norm and LM head; the default is
         the whole model. `dtype` and `quantization`: see charioteer.model.precision.
         `batch_invariant`: each row's logits bitwise independent of its batch (charioteer.model.invariant).
+        `gguf_blocks` (quantization="gguf"): the GGUF file's own blocks of the state dict's weights (LoadedModel's).
         """
         if quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if quantization == "gguf" and not gguf_blocks:
+            raise ValueError("quantization='gguf' runs a GGUF file's own Q4_1 or Q8_0 blocks, and this model has none: "
+                             "load it from a .gguf file (the default model is one), or use quantization='int8'")
+        self._gguf_blocks = gguf_blocks if quantization == "gguf" else {}
         self.config = config
         self.device = torch.device(device)
         self.dtype, self.quantization = dtype, quantization
@@ -626,7 +664,8 @@ class LlamaModel:
             raise ValueError(f"layer range [{start}, {end}) is not inside the model's {config.num_layers} layers")
         self.layer_range = (start, end)
         self.is_first, self.is_last = start == 0, end == config.num_layers
-        self.kernels = Kernels.choose(config, self.device, dtype, quantization is not None, batch_invariant)
+        self.kernels = Kernels.choose(config, self.device, dtype, quantization == "int8", batch_invariant,
+                                      gguf=quantization == "gguf")
         self.activation_dtype = self.kernels.activation_dtype(dtype)
         self._load_weights(state_dict)
         self._prepare_kernels()
@@ -635,11 +674,11 @@ class LlamaModel:
     # How a batch's rows set its GEMMs' cost (the simulator's step cost model reads these).
     @property
     def small_batch_rows(self) -> int:
-        return self.kernels.small_batch_rows(self.quantization is not None)
+        return self.kernels.small_batch_rows(self.quantization == "int8")
 
     @property
     def widen_rows(self) -> int:
-        return self.kernels.widen_rows(self.quantization is not None)
+        return self.kernels.widen_rows(self.quantization == "int8")
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         c = self.config
@@ -659,7 +698,10 @@ class LlamaModel:
         """The weights in the layouts self.kernels' GEMMs read, and the one-call decode runner."""
         c, k = self.config, self.kernels
 
-        def linear(weight: torch.Tensor, bf16_output: bool = False) -> Linear | NarrowLinear:
+        def linear(weight: torch.Tensor, bf16_output: bool = False,
+                   blocks: GGUFWeight | None = None) -> Linear | NarrowLinear | GGUFLinear:
+            if blocks is not None and k.gguf:
+                return GGUFLinear(blocks)
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel,
                                   k.int8_vnni)
@@ -671,21 +713,24 @@ class LlamaModel:
         # bf16 GEMMs every product stays bf16 as the GEMM rounded it: RoPE, the KV store, SiLU and
         # the residual add widen it as they read it, with the same bits as a widened copy and
         # without one (and the norms write the next GEMM's input in bf16: run_layers).
-        self.linears = [{name: linear(layer.pop(name), bf16_output=True) for name in
-                         ("qkv", "o", "gate_up", "down")} for layer in self.layers]
-        # With int8 the LM head is quantized too (a tied embedding keeps its table in dtype for the
-        # lookups): it is the largest matrix of a small model, a third of SmolLM2's weights.
+        blocks = [_layer_blocks(self._gguf_blocks, f"model.layers.{i}.") for i in range(*self.layer_range)]
+        self.linears = [{name: linear(layer.pop(name), True, gguf[name]) for name in ("qkv", "o", "gate_up", "down")}
+                        for layer, gguf in zip(self.layers, blocks)]
+        # With int8 or GGUF blocks the LM head is quantized too (a tied embedding keeps its table in dtype
+        # for the lookups): it is the largest matrix of a small model, a third of SmolLM2's weights.
         self.lm_head_linear = None
         if self.lm_head is not None:
-            self.lm_head_linear = linear(self.lm_head)
-            if self.quantization == "int8" and self.lm_head is not self.embed:
-                self.lm_head = None  # the int8 copy replaces it
+            head = "model.embed_tokens.weight" if self.lm_head is self.embed else "lm_head.weight"
+            self.lm_head_linear = linear(self.lm_head, blocks=self._gguf_blocks.get(head))
+            if isinstance(self.lm_head_linear, (Int8Linear, GGUFLinear)) and self.lm_head is not self.embed:
+                self.lm_head = None  # the quantized copy replaces it
+        self._gguf_blocks = {}  # packed where they run; the file's bytes are not kept
         packed = [lin for lin in [*(lin for layer in self.linears for lin in layer.values()), self.lm_head_linear]
                   if lin is not None and lin.panels is not None]
         for lin, panels in zip(packed, huge_pages.into_arena([lin.panels for lin in packed])):
             lin.panels = panels
         self.decode_layers = None
-        if k.decode_layers:
+        if k.decode_layers and not (k.gguf and k.native_bf16_rows):  # GGUF blocks have no plain bf16 weight
             self.decode_layers = cpu_kernels.decode_layers(
                 [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
                 [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
@@ -704,7 +749,7 @@ class LlamaModel:
         tensors = [t for t in tensors if t is not None]
         tensors += [t for layer in self.layers for t in layer.values()]
         linears = [lin for layer in self.linears for lin in layer.values()]
-        if isinstance(self.lm_head_linear, Int8Linear):  # its own int8 copy, beside a tied embedding or not
+        if isinstance(self.lm_head_linear, (Int8Linear, GGUFLinear)):  # its own copy, beside a tied embedding or not
             linears.append(self.lm_head_linear)
         return sum(t.numel() * t.element_size() for t in tensors) + sum(lin.nbytes for lin in linears)
 

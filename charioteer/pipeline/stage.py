@@ -67,14 +67,16 @@ class Stage:
             device = f"cuda:{local % max(count, 1)}"
             torch.cuda.set_device(device)
         self.device = torch.device(device)
-        state_dict = init.get("state_dict")
+        state_dict, blocks = init.get("state_dict"), init.get("gguf_blocks")
         if state_dict is None:  # started by hand or torchrun: load the model here
             from charioteer.model.loader import load_model
 
-            state_dict = load_model(init["model"], num_layers=init["num_layers"], seed=init["seed"]).state_dict
+            loaded = load_model(init["model"], num_layers=init["num_layers"], seed=init["seed"])
+            state_dict, blocks = loaded.state_dict, loaded.gguf_blocks
         self.model = LlamaModel(config, state_dict, self.device, layer_range=(start, end), dtype=init["dtype"],
-                                quantization=init["quantization"], batch_invariant=init.get("batch_invariant", False))
-        del state_dict
+                                quantization=init["quantization"], batch_invariant=init.get("batch_invariant", False),
+                                gguf_blocks=blocks)
+        del state_dict, blocks
         self.kv = KVCache(config, init["num_slots"], self.device, dtype=init["dtype"], num_layers=end - start)
         self.hidden_size = config.hidden_size
         # Activations between stages: NCCL when every stage has its own GPU, else gloo (via the host).

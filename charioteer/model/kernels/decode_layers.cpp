@@ -48,6 +48,7 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
 
 torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
                                    int64_t n) const {
+  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n);  // GGUF blocks (gguf_gemm.cpp)
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel

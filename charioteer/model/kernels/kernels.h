@@ -51,6 +51,15 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 // exactly per block. For the rows below the tile kernels'; the avx512 build only, where the CPU has AVX512-VNNI.
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                const torch::Tensor& scale);
+// x [m, k] (rows ldx apart) quantized for int16 products (vnni_gemm.cpp): [m][ceil(k/2)] int32 pairs of int16,
+// each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]) and, with `sums`,
+// each block's sum of x.
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
+                   float* sums);
+// x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own Q4_1 or Q8_0 blocks, repacked by
+// cpu_kernels.gguf_pack into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
+// weights widened to int16, products summed exactly per block. The avx512 build only.
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 // The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).
 void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                        const torch::Tensor& scale);

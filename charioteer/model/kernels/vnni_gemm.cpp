@@ -25,6 +25,31 @@
 #include <cmath>
 #include <utility>
 
+// x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), one fp32
+// scale per row and block of `block` values ([m][blocks]) and, where `sums` is given, each block's sum of x.
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
+                   float* sums) {
+  const int64_t kp = (k + 1) / 2, blocks = (k + block - 1) / block;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * ldx;
+    auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
+    q[2 * kp - 1] = 0;  // odd k: the last pair's second value
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
+      float top = 0.f, sum = 0.f;
+      for (int64_t i = k0; i < k1; ++i) {
+        top = std::max(top, std::fabs(row[i]));
+        sum += row[i];
+      }
+      const float inv = top > 0.f ? 32767.f / top : 0.f;
+      scales[r * blocks + b] = top / 32767.f;
+      if (sums) sums[r * blocks + b] = sum;
+      for (int64_t i = k0; i < k1; ++i)
+        q[i] = static_cast<int16_t>(std::clamp(std::nearbyint(row[i] * inv), -32767.f, 32767.f));
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 #include "amx_tiles.h"  // kPairCols: the AVX-512 build's panel width
 
@@ -32,26 +57,6 @@ namespace {
 
 constexpr int64_t kBlockK = 128;  // x values sharing one int16 scale; a block's int32 sums cannot overflow
 constexpr int64_t kMaxRows = 8;   // rows per pass over a panel: 8 x 2 int32 sums in registers
-
-// x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), and
-// one fp32 scale per row and block ([m][blocks]).
-void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int32_t* pairs, float* scales) {
-  const int64_t kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
-  for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * ldx;
-    auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
-    q[2 * kp - 1] = 0;  // odd k: the last pair's second value
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t k0 = b * kBlockK, k1 = std::min(k, k0 + kBlockK);
-      float top = 0.f;
-      for (int64_t i = k0; i < k1; ++i) top = std::max(top, std::fabs(row[i]));
-      const float inv = top > 0.f ? 32767.f / top : 0.f;
-      scales[r * blocks + b] = top / 32767.f;
-      for (int64_t i = k0; i < k1; ++i)
-        q[i] = static_cast<int16_t>(std::clamp(std::nearbyint(row[i] * inv), -32767.f, 32767.f));
-    }
-  }
-}
 
 // Column c of a panel's 32 sits in lane kLane[c] of the two sums (0-15 the first, 16-31 the second):
 // unpacking two k rows' int16 interleaves within each 128-bit lane, so a sum holds columns 8L + 0..3
@@ -122,7 +127,8 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
-  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>());
+  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, kBlockK, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
+                nullptr);
   const auto sc = scale.contiguous();
   const int32_t* pp = pairs.data_ptr<int32_t>();
   const float* xs = xscale.data_ptr<float>();

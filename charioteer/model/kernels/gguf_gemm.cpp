@@ -1,0 +1,160 @@
+// GEMMs on a GGUF file's own quantized blocks, as llama.cpp runs them: no fp32 copy of the weight.
+//
+// GGUF stores each weight row in blocks of 32 values: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m,
+// 20 bytes: 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes). cpu_kernels.gguf_pack
+// regroups them by 32 output columns into records of one k block each, [N/32][K/32][record]:
+//   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
+//        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
+//   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e].
+// So one 32-byte load widened to int16 (and, for Q4_1, split into nibbles) is 16 columns' (k, k+1) int16
+// pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32 (quantize_rows: off by at most
+// half a step of its block's largest / 32767). Per block and column the int32 sum is exact; then
+// y += d * (x scale) * sum (+ m * the block's sum of x for Q4_1), in fp32, block after block in k order.
+// A row's result depends on its own row of x alone.
+#include "kernels.h"
+#include "vec_math.h"  // lanes(n): the first n of 16 lanes
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per GGUF block, and per x scale
+constexpr int64_t kCols = 32;   // output columns per panel
+constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) and the nibbles
+constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
+
+}  // namespace
+
+#if defined(__AVX512F__)
+
+namespace {
+
+constexpr int kMaxRows = 8;  // rows per pass over a record: 8 x 2 int32 sums in registers
+
+inline __m512i pairs_sum(__m512i sum, __m512i w, int32_t x) {
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
+}
+
+// Rows [0, R) of x (int16 pairs, kp apart; scales and sums `blocks` apart) times one panel's `blocks`
+// records, into y's first `cols` columns.
+template <int R, bool Q41>
+void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
+                const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t record = Q41 ? kQ41Record : kQ80Record;
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = panel + b * record;
+    const auto* half = reinterpret_cast<const __m256i*>(rec);
+    const __m512 d[2] = {_mm512_cvtph_ps(_mm256_loadu_si256(half)), _mm512_cvtph_ps(_mm256_loadu_si256(half + 1))};
+    const int32_t* xp = pairs + b * kBlock / 2;
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    if constexpr (Q41) {
+      const auto* q = reinterpret_cast<const __m256i*>(rec + 4 * kCols);
+      const __m512i low = _mm512_set1_epi16(0x0F);
+      for (int64_t u = 0; u < kBlock / 4; ++u) {
+        const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q + 2 * u));
+        const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q + 2 * u + 1));
+        const __m512i a0 = _mm512_and_si512(w0, low), b0 = _mm512_srli_epi16(w0, 4);
+        const __m512i a1 = _mm512_and_si512(w1, low), b1 = _mm512_srli_epi16(w1, 4);
+        for (int r = 0; r < R; ++r) {
+          const int32_t x01 = xp[r * kp + 2 * u], x23 = xp[r * kp + 2 * u + 1];
+          sum[r][0] = pairs_sum(pairs_sum(sum[r][0], a0, x01), b0, x23);
+          sum[r][1] = pairs_sum(pairs_sum(sum[r][1], a1, x01), b1, x23);
+        }
+      }
+    } else {
+      const auto* q = reinterpret_cast<const __m256i*>(rec + 2 * kCols);
+      for (int64_t u = 0; u < kBlock / 2; ++u) {
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q + 2 * u));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q + 2 * u + 1));
+        for (int r = 0; r < R; ++r) {
+          sum[r][0] = pairs_sum(sum[r][0], w0, xp[r * kp + u]);
+          sum[r][1] = pairs_sum(sum[r][1], w1, xp[r * kp + u]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(xscale[r * blocks + b]);
+      for (int h = 0; h < 2; ++h)
+        total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(d[h], s), total[r][h]);
+    }
+    if constexpr (Q41) {
+      const __m512 m[2] = {_mm512_cvtph_ps(_mm256_loadu_si256(half + 2)),
+                           _mm512_cvtph_ps(_mm256_loadu_si256(half + 3))};
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(xsum[r * blocks + b]);
+        for (int h = 0; h < 2; ++h) total[r][h] = _mm512_fmadd_ps(m[h], xs, total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, lanes(cols), total[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, lanes(cols - 16), total[r][1]);
+  }
+}
+
+using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, float*,
+                           int64_t, int64_t);
+
+template <bool Q41, int... R>
+constexpr std::array<PanelRows, sizeof...(R) + 1> by_rows(std::integer_sequence<int, R...>) {
+  return {nullptr, panel_rows<R + 1, Q41>...};
+}
+constexpr auto kQ41Rows = by_rows<true>(std::make_integer_sequence<int, kMaxRows>());
+constexpr auto kQ80Rows = by_rows<false>(std::make_integer_sequence<int, kMaxRows>());
+
+}  // namespace
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "gguf_linear: x must be fp32 [M, K] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record),
+              "gguf_linear: the weight must come from cpu_kernels.gguf_pack ([N/32, K/32, record] uint8)");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
+  TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
+  TORCH_CHECK(0 < n && n <= packed.size(0) * kCols && n > (packed.size(0) - 1) * kCols,
+              "gguf_linear: n = ", n, " does not match the weight's ", packed.size(0), " panels");
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const bool q41 = packed.size(2) == kQ41Record;
+  const int64_t kp = k / 2;
+  auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
+  auto xscale = torch::empty({m, blocks}, x.options());
+  auto xsum = torch::empty({m, blocks}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
+                q41 ? xsum.data_ptr<float>() : nullptr);
+  const int32_t* pp = pairs.data_ptr<int32_t>();
+  const float* xs = xscale.data_ptr<float>();
+  const float* sums = xsum.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = blocks * packed.size(2);
+  const auto& kernel = q41 ? kQ41Rows : kQ80Rows;
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t cols = std::min(n - j * kCols, kCols);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
+        kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, sums + r0 * blocks, blocks, w + j * panel_bytes,
+                     out + r0 * n + j * kCols, n, cols);
+      }
+    }
+  });
+  return y;
+}
+
+#else
+
+torch::Tensor gguf_linear(const torch::Tensor&, const torch::Tensor&, int64_t) {
+  TORCH_CHECK(false, "gguf_linear is in the avx512 build only (cpu_kernels.gguf_unavailable_reason)");
+}
+
+#endif
