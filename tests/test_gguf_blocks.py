@@ -125,3 +125,19 @@ def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, ke
         assert ours == reference
     else:
         assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+
+
+@needs_kernel
+def test_gguf_pipeline_stages_get_their_blocks_and_agree_with_one_process(default_model):
+    """Each stage process receives its layers' blocks (and the last the LM head's) with its state dict."""
+    prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate([9, 40, 4, 23])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one = LLM(default_model, quantization="gguf", chunk_size=16, enable_prefix_caching=False)
+    reference = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
+    piped = LLM(default_model, quantization="gguf", chunk_size=16, enable_prefix_caching=False,
+                pipeline_parallel_size=2)
+    try:
+        outputs = [list(o.outputs[0].token_ids) for o in piped.generate(prompts, params)]
+    finally:
+        piped.shutdown()
+    assert outputs == reference  # every row's GEMMs depend on that row alone, in one process or two

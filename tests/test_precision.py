@@ -54,6 +54,10 @@ INT8_TILES = cpu_kernels.int8_tile_kernel() is not None
 # path (a wrong mask or row) agrees far less.
 MIN_BF16_AGREEMENT_WITH_HF_BF16 = 0.6
 MIN_INT8_AGREEMENT_WITH_FP32 = 0.6
+# quantization="gguf" multiplies the file's own weights, the ones fp32 runs dequantized, with activations
+# quantized to int16 per block of 32 (about 1/65534 of the block's largest): only near-ties can differ.
+MIN_GGUF_AGREEMENT_WITH_FP32 = 0.8
+GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason() is None
 
 
 def test_auto_takes_bf16_only_where_the_cpu_computes_it():
@@ -187,14 +191,17 @@ BF16_TOLS = (BF16_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL)
                  marks=pytest.mark.skipif(not cpu_kernels.amx_available(), reason="AMX attention only where it runs")),
     ("float32", "int8", (INT8_CHUNKED_LOGPROB_TOL, INT8_CHUNKED_MEAN_LOGPROB_TOL), "panel"),
     pytest.param("float32", "int8", (INT8_TILES_CHUNKED_LOGPROB_TOL, BF16_CHUNKED_MEAN_LOGPROB_TOL), "tiles",
-                 marks=pytest.mark.skipif(not INT8_TILES, reason="int8 on a tile kernel only where one runs"))])
+                 marks=pytest.mark.skipif(not INT8_TILES, reason="int8 on a tile kernel only where one runs")),
+    # the GGUF kernel quantizes each row of x on its own, whole or chunked: only the attention's order differs
+    pytest.param("float32", "gguf", (INT8_CHUNKED_LOGPROB_TOL, INT8_CHUNKED_MEAN_LOGPROB_TOL), "gguf",
+                 marks=pytest.mark.skipif(not GGUF_KERNEL, reason="the GGUF kernel only where it runs"))])
 def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, dtype, quantization, tolerance, compute,
                                                                  monkeypatch):
     """`tolerance`: (the largest |logprob difference| over the prompt, their mean)."""
     amx_attention = compute == "widened" and cpu_kernels.amx_available()
-    if quantization:
+    if quantization == "int8":
         _set_int8_tiles(monkeypatch, compute == "tiles")
-    else:
+    elif quantization is None:
         compute = _set_bf16_compute(monkeypatch, compute)
     # 728 tokens. int8 on the panel kernel: the whole prefill runs the weights dequantized (above the
     # panel kernel's rows), the 24-token chunks run them in the panel kernel; on AMX tiles, both.
@@ -206,6 +213,7 @@ def test_chunked_prefill_equals_a_whole_prefill_within_tolerance(default_model, 
         llm = LLM(default_model, dtype=dtype, quantization=quantization, chunk_size=chunk)
         assert llm.engine.model.kernels.amx_attention == amx_attention
         assert bool(llm.engine.model.kernels.int8_tile_rows) == (compute == "tiles")
+        assert llm.engine.model.kernels.gguf == (quantization == "gguf")
         out = llm.generate(ids, params)[0]
         runs.append([entry[ids[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0])
     diffs = [abs(a - b) for a, b in zip(*runs)]
@@ -262,6 +270,15 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
           "greedy agreement "
           f"with fp32: {agreement:.2f}")
     assert agreement >= MIN_INT8_AGREEMENT_WITH_FP32
+
+
+@pytest.mark.skipif(not GGUF_KERNEL, reason=f"GGUF kernel: {cpu_kernels.gguf_unavailable_reason()}")
+def test_gguf_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens):
+    llm = LLM(default_model, quantization="gguf", chunk_size=16)
+    assert llm.engine.model.kernels.gguf and llm.engine.model.decode_layers is not None
+    agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
+    print(f"\n[gguf: Q4_1 layers, Q8_0 LM head] greedy agreement with fp32: {agreement:.2f}")
+    assert agreement >= MIN_GGUF_AGREEMENT_WITH_FP32
 
 
 @pytest.mark.parametrize("spec", ["synthetic:tiny",  # head_dim 32: torch's bf16 ops

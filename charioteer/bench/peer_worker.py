@@ -37,7 +37,9 @@ def run_charioteer(job: dict) -> list[dict]:
     results = []
     for w in job["workloads"]:
         # The engine is sized per workload (C uses reserved KV for exactly its batch).
-        llm = LLM(job["model"]["charioteer"], **PRECISION_SETTINGS[job["dtype"]], **w["engine_args"])
+        # gguf runs the GGUF file's own blocks, which the folder the other engines share does not keep
+        model = job["model"]["gguf" if job["dtype"] == "gguf" else "charioteer"]
+        llm = LLM(model, **PRECISION_SETTINGS[job["dtype"]], **w["engine_args"])
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]

@@ -300,7 +300,8 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
     rows, jobs = [], []
     for key, config, group in groups:
         for engine, dtype in [(e, d) for e in engines for d in engine_dtypes(e, dtypes)]:
-            runnable = [w for w in group if w.name != "C" or engine in C_ENGINES]
+            # C's synthetic layer has no GGUF file
+            runnable = [w for w in group if w.name != "C" or (engine in C_ENGINES and dtype != "gguf")]
             if not runnable:
                 continue
             python, why_not = availability(engine, vllm_python)

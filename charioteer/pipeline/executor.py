@@ -156,7 +156,8 @@ class PipelineExecutor:
                 for s, layers in enumerate(self.layer_ranges):
                     names = stage_weight_names(config, layers)
                     weights = {k: loaded.state_dict[k] for k in names}
-                    blocks = {k: loaded.gguf_blocks[k] for k in names if k in loaded.gguf_blocks}
+                    blocks = {k: loaded.gguf_blocks[k] for k in names  # the file's bytes, where they run
+                              if k in loaded.gguf_blocks and quantization == "gguf"}
                     init = dict(base, layer_range=layers, nccl=nccl, state_dict=weights, gguf_blocks=blocks)
                     p = ctx.Process(target=stage.run, args=(s + 1, world_size, ("127.0.0.1", store.port), init, os.getpid()),
                                     name=f"charioteer-stage-{s}", daemon=True)
