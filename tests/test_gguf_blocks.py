@@ -12,6 +12,10 @@ from charioteer.model.llama import GGUFLinear, Linear
 
 GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason()
 needs_kernel = pytest.mark.skipif(GGUF_KERNEL is not None, reason=f"GGUF kernel: {GGUF_KERNEL}")
+each_isa = pytest.mark.parametrize("isa", [
+    pytest.param(isa, marks=pytest.mark.skipif(cpu_kernels.load_reason(isa) is not None,
+                                               reason=f"{isa} kernels: {cpu_kernels.load_reason(isa)}"))
+    for isa in cpu_kernels.ISAS])
 
 
 def test_the_default_files_blocks_dequantize_to_the_loaders_weights(default_model):
@@ -60,20 +64,24 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     return y
 
 
-@needs_kernel
+@each_isa
 @settings(max_examples=25, deadline=None)
 @given(kind=st.sampled_from(["Q4_1", "Q8_0"]), rows=st.integers(1, 20), n=st.integers(1, 70),
        blocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), outlier=st.booleans())
-def test_gguf_linear_is_the_block_product(kind, rows, n, blocks, seed, outlier):
+def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outlier):
     """Against a float64 model of its arithmetic, and within half an int16 step of each block's largest |x|
-    of the exact product on the dequantized weight; rows past 8 and columns past a panel's 32 included."""
+    of the exact product on the dequantized weight; rows past a pass (8 or 4) and columns past a panel's 32
+    included. Both builds give the same bits."""
     rng = np.random.default_rng(seed)
     w = _random_blocks(kind, n, blocks, rng)
     x = torch.from_numpy(rng.standard_normal((rows, blocks * BLOCK)).astype(np.float32))
     if outlier:
         x[0, 0] = 1000.0
-    y = cpu_kernels.gguf_linear(x, w.pack(), n)
+    y = cpu_kernels.gguf_linear(x, w.pack(), n, isa=isa)
     assert y.shape == (rows, n) and y.dtype == torch.float32
+    for other in cpu_kernels.ISAS:
+        if other != isa and cpu_kernels.load_reason(other) is None:
+            assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, isa=other), y)
     magnitude = x.abs().double() @ w.dequantize().abs().double().T
     assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude + 1e-30)
     steps = (x.abs().reshape(rows, blocks, BLOCK).amax(-1) / 32767).double()  # [rows, blocks]
@@ -82,19 +90,19 @@ def test_gguf_linear_is_the_block_product(kind, rows, n, blocks, seed, outlier):
     assert torch.all((y.double() - x.double() @ w.dequantize().double().T).abs() <= bound)
 
 
-@needs_kernel
-def test_gguf_linear_rows_do_not_depend_on_their_batch():
+@each_isa
+def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
     rng = np.random.default_rng(1)
     w = _random_blocks("Q4_1", 40, 3, rng)
     packed = w.pack()
     x = torch.from_numpy(rng.standard_normal((11, 96)).astype(np.float32))
-    batch = cpu_kernels.gguf_linear(x, packed, 40)
+    batch = cpu_kernels.gguf_linear(x, packed, 40, isa=isa)
     for i in range(11):
-        assert torch.equal(cpu_kernels.gguf_linear(x[i:i + 1], packed, 40), batch[i:i + 1])
+        assert torch.equal(cpu_kernels.gguf_linear(x[i:i + 1], packed, 40, isa=isa), batch[i:i + 1])
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 96"):
-        cpu_kernels.gguf_linear(x[:, :64].contiguous(), packed, 40)
+        cpu_kernels.gguf_linear(x[:, :64].contiguous(), packed, 40, isa=isa)
     with pytest.raises(RuntimeError, match="n = 90 does not match the weight's 2 panels"):
-        cpu_kernels.gguf_linear(x, packed, 90)
+        cpu_kernels.gguf_linear(x, packed, 90, isa=isa)
 
 
 def test_gguf_needs_a_gguf_file():
@@ -105,7 +113,7 @@ def test_gguf_needs_a_gguf_file():
 @pytest.mark.parametrize("kernel", ["on", "off"])
 def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, kernel, monkeypatch):
     """With the kernel every linear layer and the LM head run the file's blocks, a step reading 0.63 bytes a
-    weight; with CHARIOTEER_GGUF_KERNEL=0 (or no avx512 build) they run as fp32 does, on the same weights
+    weight; with CHARIOTEER_GGUF_KERNEL=0 (or no CPU kernels) they run as fp32 does, on the same weights
     dequantized, and give fp32's tokens."""
     monkeypatch.setenv("CHARIOTEER_GGUF_KERNEL", "1" if kernel == "on" else "0")
     llm = LLM(default_model, quantization="gguf", enable_prefix_caching=False)

@@ -83,8 +83,8 @@ _BUILD_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") 
 # each module must call its own when both are loaded (the tests load every build).
 _COMMON_FLAGS = ["-O3", "-mfma", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]
 _FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"] + _COMMON_FLAGS,
-          "avx2": ["-mavx2"] + _COMMON_FLAGS}
-_CPUINFO_FLAGS = {"avx512": {"avx512f", "avx512vl", "avx512bw", "avx512dq", "fma"}, "avx2": {"avx2", "fma"}}
+          "avx2": ["-mavx2", "-mf16c"] + _COMMON_FLAGS}  # F16C: the GGUF kernel's fp16 scales
+_CPUINFO_FLAGS = {"avx512": {"avx512f", "avx512vl", "avx512bw", "avx512dq", "fma"}, "avx2": {"avx2", "fma", "f16c"}}
 _TORCH_CAPABILITY = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}  # torch's capabilities that include it
 _log = logging.getLogger(__name__)
 _modules: dict[str, object] = {}
@@ -391,9 +391,12 @@ def vnni_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch
     return _kernels(isa).vnni_linear_int8(x, panels, n, scale)
 
 
-def gguf_unavailable_reason(isa: str | None = None) -> str | None:
-    """None when `gguf_linear` runs here (the avx512 build, and CHARIOTEER_GGUF_KERNEL is not 0), else why not."""
-    return _avx512_extension_reason("CHARIOTEER_GGUF_KERNEL", "avx512bw", isa)
+def gguf_unavailable_reason() -> str | None:
+    """None when `gguf_linear` runs here (the CPU kernels, either build, and CHARIOTEER_GGUF_KERNEL is not 0),
+    else why not."""
+    if os.environ.get("CHARIOTEER_GGUF_KERNEL", "1") == "0":
+        return "disabled by CHARIOTEER_GGUF_KERNEL=0"
+    return unavailable_reason()
 
 
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
@@ -401,7 +404,7 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: str | None =
     gguf_blocks.GGUFWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
     scale, the weights' q widened to int16, the products summed exactly in int32 per block, then scaled by
     the block's d (and m times the block's sum of x for Q4_1) in fp32, block after block. A row's result
-    depends on its own row of x alone."""
+    depends on its own row of x alone, and is the same in the AVX2 and the AVX-512 build."""
     return _kernels(isa).gguf_linear(x, packed, n)
 
 

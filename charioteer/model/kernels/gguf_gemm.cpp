@@ -1,18 +1,20 @@
 // GEMMs on a GGUF file's own quantized blocks, as llama.cpp runs them: no fp32 copy of the weight.
 //
 // GGUF stores each weight row in blocks of 32 values: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m,
-// 20 bytes: 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes). cpu_kernels.gguf_pack
-// regroups them by 32 output columns into records of one k block each, [N/32][K/32][record]:
+// 20 bytes: 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes). GGUFWeight.pack
+// (gguf_blocks.py) regroups them by 32 output columns into records of one k block each, [N/32][K/32][record]:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
 //   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e].
-// So one 32-byte load widened to int16 (and, for Q4_1, split into nibbles) is 16 columns' (k, k+1) int16
-// pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32 (quantize_rows: off by at most
-// half a step of its block's largest / 32767). Per block and column the int32 sum is exact; then
-// y += d * (x scale) * sum (+ m * the block's sum of x for Q4_1), in fp32, block after block in k order.
-// A row's result depends on its own row of x alone.
+// So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for Q4_1, split into nibbles) is 16 (8)
+// columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32
+// (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and column the
+// int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x for Q4_1), in fp32, block
+// after block in k order.
+// A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
+// vector; AVX2: 8).
 #include "kernels.h"
-#include "vec_math.h"  // lanes(n): the first n of 16 lanes
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,17 +30,42 @@ constexpr int64_t kCols = 32;   // output columns per panel
 constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) and the nibbles
 constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
 
-}  // namespace
-
+// int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
 #if defined(__AVX512F__)
-
-namespace {
-
+using IVec = __m512i;
+using Bytes = __m256i;  // what one IVec widens from
+constexpr int kPairLanes = 16;
 constexpr int kMaxRows = 8;  // rows per pass over a record: 8 x 2 int32 sums in registers
-
-inline __m512i pairs_sum(__m512i sum, __m512i w, int32_t x) {
+inline Bytes load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const Bytes*>(p)); }
+inline IVec widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(load_bytes(p)); }
+inline IVec widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
+inline IVec low_nibbles(IVec w) { return _mm512_and_si512(w, _mm512_set1_epi16(0x0F)); }
+inline IVec high_nibbles(IVec w) { return _mm512_srli_epi16(w, 4); }
+inline IVec pairs_sum(IVec sum, IVec w, int32_t x) {
   return _mm512_add_epi32(sum, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
 }
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(load_bytes(p)); }
+#else
+using IVec = __m256i;
+using Bytes = __m128i;
+constexpr int kPairLanes = 8;
+constexpr int kMaxRows = 4;  // 4 x 4 int32 sums: AVX2 has half the registers
+inline Bytes load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const Bytes*>(p)); }
+inline IVec widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(load_bytes(p)); }
+inline IVec widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi16(load_bytes(p)); }
+inline IVec low_nibbles(IVec w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
+inline IVec high_nibbles(IVec w) { return _mm256_srli_epi16(w, 4); }
+inline IVec pairs_sum(IVec sum, IVec w, int32_t x) {
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+}
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
+#endif
+constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
+constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns in a k quad (Q4_1) or pair (Q8_0)
 
 // Rows [0, R) of x (int16 pairs, kp apart; scales and sums `blocks` apart) times one panel's `blocks`
 // records, into y's first `cols` columns.
@@ -46,58 +73,43 @@ template <int R, bool Q41>
 void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
                 const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
   constexpr int64_t record = Q41 ? kQ41Record : kQ80Record;
-  __m512 total[R][2];
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  Vec total[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) total[r][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * record;
-    const auto* half = reinterpret_cast<const __m256i*>(rec);
-    const __m512 d[2] = {_mm512_cvtph_ps(_mm256_loadu_si256(half)), _mm512_cvtph_ps(_mm256_loadu_si256(half + 1))};
     const int32_t* xp = pairs + b * kBlock / 2;
-    __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    IVec sum[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
     if constexpr (Q41) {
-      const auto* q = reinterpret_cast<const __m256i*>(rec + 4 * kCols);
-      const __m512i low = _mm512_set1_epi16(0x0F);
-      for (int64_t u = 0; u < kBlock / 4; ++u) {
-        const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q + 2 * u));
-        const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q + 2 * u + 1));
-        const __m512i a0 = _mm512_and_si512(w0, low), b0 = _mm512_srli_epi16(w0, 4);
-        const __m512i a1 = _mm512_and_si512(w1, low), b1 = _mm512_srli_epi16(w1, 4);
-        for (int r = 0; r < R; ++r) {
-          const int32_t x01 = xp[r * kp + 2 * u], x23 = xp[r * kp + 2 * u + 1];
-          sum[r][0] = pairs_sum(pairs_sum(sum[r][0], a0, x01), b0, x23);
-          sum[r][1] = pairs_sum(pairs_sum(sum[r][1], a1, x01), b1, x23);
+      const uint8_t* q = rec + 4 * kCols;
+      for (int64_t u = 0; u < kBlock / 4; ++u)
+        for (int v = 0; v < kVecs; ++v) {
+          const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
+          for (int r = 0; r < R; ++r)
+            sum[r][v] = pairs_sum(pairs_sum(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
         }
-      }
     } else {
-      const auto* q = reinterpret_cast<const __m256i*>(rec + 2 * kCols);
-      for (int64_t u = 0; u < kBlock / 2; ++u) {
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q + 2 * u));
-        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q + 2 * u + 1));
-        for (int r = 0; r < R; ++r) {
-          sum[r][0] = pairs_sum(sum[r][0], w0, xp[r * kp + u]);
-          sum[r][1] = pairs_sum(sum[r][1], w1, xp[r * kp + u]);
+      const uint8_t* q = rec + 2 * kCols;
+      for (int64_t u = 0; u < kBlock / 2; ++u)
+        for (int v = 0; v < kVecs; ++v) {
+          const IVec w = widen_s8(q + 2 * kCols * u + kStep * v);
+          for (int r = 0; r < R; ++r) sum[r][v] = pairs_sum(sum[r][v], w, xp[r * kp + u]);
         }
-      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(xscale[r * blocks + b]);
-      for (int h = 0; h < 2; ++h)
-        total[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(d[h], s), total[r][h]);
-    }
-    if constexpr (Q41) {
-      const __m512 m[2] = {_mm512_cvtph_ps(_mm256_loadu_si256(half + 2)),
-                           _mm512_cvtph_ps(_mm256_loadu_si256(half + 3))};
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(xsum[r * blocks + b]);
-        for (int h = 0; h < 2; ++h) total[r][h] = _mm512_fmadd_ps(m[h], xs, total[r][h]);
+    for (int v = 0; v < kVecs; ++v) {
+      const Vec d = load_fp16(rec + 2 * kPairLanes * v);
+      for (int r = 0; r < R; ++r)
+        total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
+      if constexpr (Q41) {
+        const Vec m = load_fp16(rec + 2 * kCols + 2 * kPairLanes * v);
+        for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, lanes(cols), total[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, lanes(cols - 16), total[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) vstore_n(y + r * ldy + kPairLanes * v, total[r][v], cols - kPairLanes * v);
 }
 
 using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, float*,
@@ -150,11 +162,3 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   });
   return y;
 }
-
-#else
-
-torch::Tensor gguf_linear(const torch::Tensor&, const torch::Tensor&, int64_t) {
-  TORCH_CHECK(false, "gguf_linear is in the avx512 build only (cpu_kernels.gguf_unavailable_reason)");
-}
-
-#endif
