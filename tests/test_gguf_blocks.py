@@ -149,3 +149,18 @@ def test_gguf_pipeline_stages_get_their_blocks_and_agree_with_one_process(defaul
     finally:
         piped.shutdown()
     assert outputs == reference  # every row's GEMMs depend on that row alone, in one process or two
+
+
+@needs_kernel
+def test_gguf_under_bf16_keeps_the_blocks_and_the_one_call_layers(default_model):
+    """dtype bfloat16 with the GGUF kernel: bf16 KV cache and fp32 activations (widened bf16), the blocks
+    for every GEMM (no oneDNN bf16 GEMMs), and decode steps still in one call."""
+    llm = LLM(default_model, quantization="gguf", dtype="bfloat16", enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.kernels.gguf and model.kernels.native_bf16_rows == 0 and model.decode_layers is not None
+    assert model.dtype == torch.bfloat16 and model.activation_dtype == torch.float32
+    fp32 = LLM(default_model, quantization="gguf", enable_prefix_caching=False)
+    prompt = fp32.tokenizer.encode("The tallest mountain on Earth is")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ours, reference = (list(x.generate([prompt], params)[0].outputs[0].token_ids) for x in (llm, fp32))
+    assert sum(a == b for a, b in zip(ours, reference)) >= 6  # bf16's KV rounding may flip a near-tie late

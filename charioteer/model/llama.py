@@ -460,9 +460,8 @@ class Kernels:
         cpu_kernels.vnni_linear_int8 (`int8_vnni`, cpu_kernels.vnni_unavailable_reason).
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
         int8 and widened bf16, except where AMX tiles compute bf16.
-        `gguf`: a GGUF file's blocks on cpu_kernels.gguf_linear where it runs (else as dtype's weights run).
-        `batch_invariant` (fp32, no quantization): every kernel but MKL's on
-        the native path, none on the portable one (charioteer.model.invariant.choose_path)."""
+        `gguf`: a GGUF file's blocks on cpu_kernels.gguf_linear where it runs. `batch_invariant` (fp32, no
+        quantization): every kernel but MKL's on the native path, none on the portable one (invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized or gguf:
                 raise ValueError("the batch-invariant mode runs fp32 weights only, without quantization")
@@ -478,7 +477,8 @@ class Kernels:
         # bf16 in torch's ops (AMX) still attends its decodes in the kernel, in fp32 on the bf16 cache read in
         # place: torch's SDPA per decode reads it at a fifth of the bandwidth (0.75 ms per 256-token LLaMA-7B decode)
         torch_bf16 = kernels and dtype == torch.bfloat16 and not widened
-        native_gemm = widened and not quantized and native_bf16_gemm(device)
+        gguf_kernel = gguf and kernels and cpu_kernels.gguf_unavailable_reason() is None
+        native_gemm = widened and not (quantized or gguf_kernel) and native_bf16_gemm(device)
         amx = native_gemm and cpu_kernels.amx_available()
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
@@ -498,7 +498,7 @@ class Kernels:
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
                    amx_attention=amx_attention, vector_attention=vector,
                    int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles,
-                   int8_vnni=int8_vnni, gguf=gguf and kernels and cpu_kernels.gguf_unavailable_reason() is None)
+                   int8_vnni=int8_vnni, gguf=gguf_kernel)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -730,7 +730,7 @@ class LlamaModel:
         for lin, panels in zip(packed, huge_pages.into_arena([lin.panels for lin in packed])):
             lin.panels = panels
         self.decode_layers = None
-        if k.decode_layers and not (k.gguf and k.native_bf16_rows):  # GGUF blocks have no plain bf16 weight
+        if k.decode_layers:
             self.decode_layers = cpu_kernels.decode_layers(
                 [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
                 [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
