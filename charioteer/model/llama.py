@@ -615,7 +615,8 @@ def _layer_blocks(blocks: dict[str, GGUFWeight], p: str) -> dict[str, GGUFWeight
     """Layer `p`'s fused weights in GGUF blocks, as _layer_weights fuses them; None where a part has none."""
     part = blocks.get
     return dict(qkv=concat([part(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                o=part(p + "self_attn.o_proj.weight"), gate_up=concat([part(p + "mlp.gate_proj.weight"), part(p + "mlp.up_proj.weight")]),
+                o=part(p + "self_attn.o_proj.weight"),
+                gate_up=concat([part(p + "mlp.gate_proj.weight"), part(p + "mlp.up_proj.weight")]),
                 down=part(p + "mlp.down_proj.weight"))
 
 
@@ -645,13 +646,13 @@ class LlamaModel:
         The first stage holds the embedding, the last the final norm and LM head; the default is
         the whole model. `dtype` and `quantization`: see charioteer.model.precision.
         `batch_invariant`: each row's logits bitwise independent of its batch (charioteer.model.invariant).
-        `gguf_blocks` (quantization="gguf"): the GGUF file's own blocks of the state dict's weights (LoadedModel's).
+        `gguf_blocks` (quantization="gguf"): the GGUF file's own blocks of the state dict's weights.
         """
         if quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         if quantization == "gguf" and not gguf_blocks:
-            raise ValueError("quantization='gguf' runs a GGUF file's own Q4_1 or Q8_0 blocks, and this model has none: "
-                             "load it from a .gguf file (the default model is one), or use quantization='int8'")
+            raise ValueError("quantization='gguf' runs a GGUF file's own Q4_1 or Q8_0 blocks, and this model has "
+                             "none: load it from a .gguf file (the default model is one), or use quantization='int8'")
         self._gguf_blocks = gguf_blocks if quantization == "gguf" else {}
         self.config = config
         self.device = torch.device(device)
