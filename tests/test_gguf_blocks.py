@@ -51,7 +51,7 @@ def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) 
 
 def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32), the
-    int16 products' exact sums, then d * scale * sum (+ m * the block's fp32 sum of x)."""
+    int16 products' exact sums, then d * scale * sum (+ m * the block's sum of x, added in fp32 in order)."""
     d, m, q = w._fields()
     xb = x.reshape(x.shape[0], -1, BLOCK)
     top = xb.abs().amax(-1, keepdim=True)
@@ -60,7 +60,10 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     sums = torch.einsum("rbk,nbk->rnb", xq, q.double())
     y = (sums * d.double()[None] * (top / 32767.0).double().squeeze(-1)[:, None]).sum(-1)
     if m is not None:
-        y = y + (m.double()[None] * xb.sum(-1, dtype=torch.float32).double()[:, None]).sum(-1)
+        xsum = torch.zeros(xb.shape[:2])
+        for i in range(BLOCK):  # as quantize_rows sums: one fp32 addition after another
+            xsum = xsum + xb[..., i]
+        y = y + (m.double()[None] * xsum.double()[:, None]).sum(-1)
     return y
 
 
@@ -82,8 +85,10 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     for other in cpu_kernels.ISAS:
         if other != isa and cpu_kernels.load_reason(other) is None:
             assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, isa=other), y)
-    magnitude = x.abs().double() @ w.dequantize().abs().double().T
-    assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude + 1e-30)
+    d, m, q = w._fields()  # the kernel's two terms, d q x and m x, round apart: their own magnitudes
+    terms = (d.double().abs()[..., None] * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
+    magnitude = x.abs().double() @ terms.reshape(n, -1).T
+    assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude)
     steps = (x.abs().reshape(rows, blocks, BLOCK).amax(-1) / 32767).double()  # [rows, blocks]
     w_abs = w.dequantize().abs().double().reshape(n, blocks, BLOCK).sum(-1)  # [n, blocks]
     bound = 0.5 * steps @ w_abs.T + 1e-6 * magnitude
