@@ -84,10 +84,6 @@ class GGUFWeight:
             values = (q[..., 0, :] | q[..., 1, :] << 4).reshape(panels, blocks, 2, 16, 8, 2).permute(0, 1, 4, 2, 3, 5)
         return torch.cat(scales + [values.reshape(panels, blocks, -1)], dim=-1).contiguous()
 
-    @property
-    def packed_bytes(self) -> int:
-        return -(-self.rows // PANEL) * PANEL * self.data.shape[1]
-
 
 def concat(parts: list[GGUFWeight | None]) -> GGUFWeight | None:
     """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all are of one kind."""
