@@ -66,7 +66,7 @@ NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with i
 # llama.cpp runs the GGUF as it ships under gguf (else the first float dtype), and a Q8_0 copy under int8.
 LLAMA_CPP_PRECISION = {"float32": "Q4_1 weights, f16 KV", "bfloat16": "Q4_1 weights, f16 KV",
                        "int8": "Q8_0 weights, f16 KV", "gguf": "Q4_1 weights, f16 KV"}
-NO_INT8 = ("hf-static", "hf-cb", "vllm-cpu")  # no weight-only int8 or GGUF-block CPU path to compare with
+NO_QUANTIZED = ("hf-static", "hf-cb", "vllm-cpu")  # no weight-only int8 or GGUF-block CPU path to compare with
 QUANTIZED = ("int8", "gguf")
 DEFAULT_CHUNK = 256
 BATCH_SIZE = 16
@@ -305,7 +305,7 @@ def run_peers(workloads: list[str], engines: list[str], quick: bool = False, thr
             if not runnable:
                 continue
             python, why_not = availability(engine, vllm_python)
-            if dtype in QUANTIZED and engine in NO_INT8:
+            if dtype in QUANTIZED and engine in NO_QUANTIZED:
                 kind = "weight-only int8" if dtype == "int8" else "GGUF-block"
                 python, why_not = None, f"no {kind} CPU path to compare with"
             base = {"engine": engine, "precision": precision_label(engine, dtype)}

@@ -129,7 +129,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record),
-              "gguf_linear: the weight must come from cpu_kernels.gguf_pack ([N/32, K/32, record] uint8)");
+              "gguf_linear: the weight must come from GGUFWeight.pack ([N/32, K/32, record] uint8)");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
   TORCH_CHECK(0 < n && n <= packed.size(0) * kCols && n > (packed.size(0) - 1) * kCols,
@@ -140,12 +140,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
-  auto xsum = torch::empty({m, blocks}, x.options());
+  auto xsum = torch::empty({q41 ? m : 0, blocks}, x.options());  // the blocks' sums of x, for Q4_1's m
+  float* sums = q41 ? xsum.data_ptr<float>() : nullptr;
   quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
-                q41 ? xsum.data_ptr<float>() : nullptr);
+                sums);
   const int32_t* pp = pairs.data_ptr<int32_t>();
   const float* xs = xscale.data_ptr<float>();
-  const float* sums = xsum.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
   const auto& kernel = q41 ? kQ41Rows : kQ80Rows;
@@ -155,7 +155,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       const int64_t cols = std::min(n - j * kCols, kCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
-        kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, sums + r0 * blocks, blocks, w + j * panel_bytes,
+        const float* row_sums = sums ? sums + r0 * blocks : nullptr;
+        kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, row_sums, blocks, w + j * panel_bytes,
                      out + r0 * n + j * kCols, n, cols);
       }
     }
