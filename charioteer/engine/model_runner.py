@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from charioteer.engine import structured_output
@@ -133,18 +134,24 @@ class ModelRunner:
         )
 
     def prepare(self, batch: Batch) -> tuple[ForwardInput, list[BatchEntry], list[list[int]]]:
-        """Lay the batch out flat (prefills first, then decodes) and say which logits rows each entry needs."""
+        """Lay the batch out flat (prefills first, then decodes) and say which logits rows each entry needs.
+
+        Positions and slots are built in numpy, a tensor each at the end: at a decode step every op's
+        cost is its call overhead, and numpy's is a fraction of torch's.
+        """
         token_ids: list[int] = []
-        positions, slots, prefills = [], [], []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        prefills = []
         flat_rows: list[int] = []  # batch rows whose logits are computed
         rows_per_entry: list[list[int]] = []  # for each entry, its rows of the logits tensor
         offset = 0
         for entry in batch.prefills:
             r, start, end = entry.request, entry.start, entry.end
             token_ids += r.token_slice(start, end)
-            positions.append(torch.arange(start, end))
+            positions.append(np.arange(start, end))
             context = self._slots(entry, 0, end)
-            slots.append(context[start:])
+            slots.append(context[start:].numpy())
             mask = None
             if start > 0:
                 mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
@@ -160,10 +167,11 @@ class ModelRunner:
         decode_slots = decode_mask = lens = decode_runs = None
         if batch.decodes:
             token_ids += [e.request.token_id_at(e.start) for e in batch.decodes]
-            positions.append(torch.tensor([e.start for e in batch.decodes]))
-            decode_slots, lens, decode_runs = self._decode_contexts(batch.decodes)
-            slots.append(decode_slots[torch.arange(len(batch.decodes)), lens - 1])
-            decode_mask = (torch.arange(decode_slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+            positions.append(np.fromiter((e.start for e in batch.decodes), np.int64, len(batch.decodes)))
+            context, ends, decode_runs = self._decode_contexts(batch.decodes)
+            slots.append(context[np.arange(len(ends)), ends - 1])
+            decode_slots, lens = torch.from_numpy(context), torch.from_numpy(ends)
+            decode_mask = torch.from_numpy(np.arange(context.shape[1])[None, :] < ends[:, None])[:, None, None, :]
             for entry in batch.decodes:
                 rows_per_entry.append([len(flat_rows)] if entry.samples else [])
                 if entry.samples:
@@ -172,8 +180,8 @@ class ModelRunner:
         dev = self.device
         inp = ForwardInput(
             token_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions=torch.cat(positions).to(dev),
-            slot_mapping=torch.cat(slots).to(dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             prefills=[self._to_device(p) for p in prefills],
             num_decodes=len(batch.decodes),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
@@ -186,27 +194,25 @@ class ModelRunner:
 
     def _decode_contexts(self, decodes: list[BatchEntry]):
         """Every decode's context slots at once: [D, longest context] padded with the zero slot, the
-        context lengths [D], and each context's (first slot, length) when all are contiguous runs.
+        context lengths [D] (both int64 arrays), and each context's (first slot, length) when all are
+        contiguous runs.
 
-        One set of tensor ops for the whole batch: per-request ones cost more than the model's
+        One set of array ops for the whole batch: per-request ones cost more than the model's
         attention at small batches.
         """
         bs = self.blocks.block_size
         tables = [self.blocks.block_table(e.request) for e in decodes]
-        ends = [e.end for e in decodes]
+        ends = np.fromiter((e.end for e in decodes), np.int64, len(decodes))
         widest = max(len(t) for t in tables)
-        table = torch.tensor([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=torch.long)
-        lens = torch.tensor(ends, dtype=torch.long)
-        pos = torch.arange(max(ends))
-        context = (table[:, pos // bs] * bs + pos % bs).masked_fill_(pos[None, :] >= lens[:, None], self.pad_slot)
-        runs: list[tuple[int, int]] | None = []
-        for entry in decodes:
-            start = self._contiguous_start(entry, entry.end)
-            if start is None:
-                runs = None  # one scattered context: the batched gather serves them all
-                break
-            runs.append((start, entry.end))
-        return context, lens, runs
+        table = np.array([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=np.int64)
+        pos = np.arange(ends.max())
+        context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing may give other strides
+        context[pos[None, :] >= ends[:, None]] = self.pad_slot
+        # a context is one run when each of its blocks follows the one before (padding is past its last)
+        follows = (table[:, 1:] == table[:, :-1] + 1) | (np.arange(1, widest) >= -(-ends[:, None] // bs))
+        # one scattered context: the batched gather serves them all
+        runs = list(zip((table[:, 0] * bs).tolist(), ends.tolist())) if follows.all() else None
+        return context, ends, runs
 
     def _to_device(self, span: PrefillSpan) -> PrefillSpan:
         if span.context_slots is None or self.device.type == "cpu":
