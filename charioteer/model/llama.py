@@ -47,7 +47,7 @@ class ForwardInput:
     num_decodes: int  # decode tokens are the last rows of the batch
     decode_slots: torch.Tensor | None  # [D, max_context] padded with the cache's zero slot
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_context]
-    logits_rows: torch.Tensor  # rows whose logits are wanted
+    logits_rows: torch.Tensor  # rows whose logits are wanted, in increasing order
     # (first slot, context length) of each decode, when every decode's slots are one contiguous run
     decode_runs: list[tuple[int, int]] | None = None
     decode_lengths: torch.Tensor | None = None  # [D] context length of each decode (int64, CPU)
@@ -769,7 +769,7 @@ class LlamaModel:
 
         `hooks`, if given, is called as hooks(op_name, fn) around each operation, for profiling.
         """
-        x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks)
+        x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks, scratch_input=True)
         return self.logits(x, inp, hooks)
 
     @torch.inference_mode()
@@ -778,12 +778,16 @@ class LlamaModel:
         return self.embed[inp.token_ids].to(self.activation_dtype)
 
     @torch.inference_mode()
-    def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None) -> torch.Tensor:
-        """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers."""
+    def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None,
+                   scratch_input: bool = False) -> torch.Tensor:
+        """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers.
+        `scratch_input`: x is the caller's to lose (a fresh embedding), so the residual stream may be
+        updated in it, not in a copy: after a decode step's weights have streamed through the caches,
+        every op costs tens of microseconds."""
         c, ops = self.config, self.kernels.ops
         paths = select_paths(self.kernels, inp, kv, profiled=hooks is not None)
         cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
-        x = ops.residual(x)
+        x = x if scratch_input else ops.residual(x)
         h = self._first_norm(x)
         if paths.decode_layers:  # the same kernels in the same order as the loop below: the same bits
             return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
@@ -820,7 +824,8 @@ class LlamaModel:
     def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
         """The last stage's output: logits [len(logits_rows), vocab] from the final hidden states."""
         run = hooks or _unprofiled
-        h = rms_norm(x[inp.logits_rows], self.final_norm, self.config.rms_norm_eps)
+        every_row = inp.logits_rows.numel() == x.shape[0]  # increasing rows, so all of them in order
+        h = rms_norm(x if every_row else x[inp.logits_rows], self.final_norm, self.config.rms_norm_eps)
         return run("lm_head", lambda: self.lm_head_linear(h))
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
