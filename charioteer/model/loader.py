@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -157,13 +158,17 @@ def load_gguf(path: str) -> LoadedModel:
             raise ValueError(f"{path}: tensor {name} is missing; the file is incomplete or not a LLaMA model")
         t = tensors[name]
         w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C")  # a writable copy
-        raw = np.array(t.data) if t.tensor_type.name in KINDS else None  # [rows, row bytes] uint8
+        # [rows, row bytes] uint8, left in the file's read-only mapping (no copy, no memory until
+        # --quantization gguf packs them) except Q/K's, whose rows are reordered
+        raw = t.data if t.tensor_type.name in KINDS else None
         if heads is not None:
             w = _unpermute_rope_rows(w, heads)
             raw = None if raw is None else _unpermute_rope_rows(raw, heads)
         sd[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
         if raw is not None:
-            blocks[hf_name] = GGUFWeight(t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(raw)))
+            with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory; nothing writes it
+                warnings.simplefilter("ignore", UserWarning)
+                blocks[hf_name] = GGUFWeight(t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(raw)))
 
     put("model.embed_tokens.weight", "token_embd.weight")
     put("model.norm.weight", "output_norm.weight")
