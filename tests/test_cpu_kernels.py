@@ -608,6 +608,9 @@ def test_int8_takes_vnni_below_the_tile_rows_and_its_switch_keeps_the_panel_kern
                          num_kv_heads=1)
     kernels = Kernels.choose(config, torch.device("cpu"), quantized=True)
     assert kernels.int8_vnni and not Kernels.choose(config, torch.device("cpu")).int8_vnni  # int8 only
+    assert not kernels.gguf_vnni and Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_vnni
+    with pytest.raises(ValueError, match="gguf_vnni runs the GGUF kernel"):
+        dataclasses.replace(kernels, gguf_vnni=True)
     lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, kernels.int8_tile_rows,
                      kernels.int8_tile_kernel, vnni=True)
     small = torch.randn(3, 128)
@@ -622,6 +625,7 @@ def test_int8_takes_vnni_below_the_tile_rows_and_its_switch_keeps_the_panel_kern
     monkeypatch.setenv("CHARIOTEER_VNNI", "0")
     assert cpu_kernels.vnni_unavailable_reason() == "disabled by CHARIOTEER_VNNI=0"
     assert not Kernels.choose(config, torch.device("cpu"), quantized=True).int8_vnni
+    assert not Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_vnni
 
 
 def test_vnni_needs_the_avx512_build_and_the_instructions(monkeypatch):

@@ -74,7 +74,7 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outlier):
     """Against a float64 model of its arithmetic, and within half an int16 step of each block's largest |x|
     of the exact product on the dequantized weight; rows past a pass (8 or 4) and columns past a panel's 32
-    included. Both builds give the same bits."""
+    included. Both builds give the same bits, and so do the AVX512-VNNI sums."""
     rng = np.random.default_rng(seed)
     w = _random_blocks(kind, n, blocks, rng)
     x = torch.from_numpy(rng.standard_normal((rows, blocks * BLOCK)).astype(np.float32))
@@ -85,6 +85,8 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     for other in cpu_kernels.ISAS:
         if other != isa and cpu_kernels.load_reason(other) is None:
             assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, isa=other), y)
+    if cpu_kernels.vnni_unavailable_reason(isa) is None:
+        assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, vnni=True, isa=isa), y)
     d, m, q = w._fields()  # the kernel's two terms, d q x and m x, round apart: their own magnitudes
     terms = (d.double().abs()[..., None] * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
     magnitude = x.abs().double() @ terms.reshape(n, -1).T
@@ -108,6 +110,9 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
         cpu_kernels.gguf_linear(x[:, :64].contiguous(), packed, 40, isa=isa)
     with pytest.raises(RuntimeError, match="n = 90 does not match the weight's 2 panels"):
         cpu_kernels.gguf_linear(x, packed, 90, isa=isa)
+    if isa == "avx2":
+        with pytest.raises(RuntimeError, match="vnni is in the avx512 build only"):
+            cpu_kernels.gguf_linear(x, packed, 40, vnni=True, isa=isa)
 
 
 def test_gguf_needs_a_gguf_file():
@@ -138,6 +143,25 @@ def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, ke
         assert ours == reference
     else:
         assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_kernels.vnni_unavailable_reason() is not None,
+                    reason=f"VNNI: {cpu_kernels.vnni_unavailable_reason()}")
+def test_gguf_vnni_follows_its_switch_and_keeps_the_tokens(default_model, monkeypatch):
+    """Where int8 would run VNNI, the GGUF kernel sums with it too, in the layers and the one-call decode
+    alike; CHARIOTEER_VNNI=0 keeps vpmaddwd, with the same bits (so the same tokens)."""
+    prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate([9, 40, 4, 23])]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("CHARIOTEER_VNNI", switch)
+        llm = LLM(default_model, quantization="gguf", chunk_size=16, enable_prefix_caching=False)
+        kernels = llm.engine.model.kernels
+        assert kernels.gguf and kernels.gguf_vnni == (switch == "1") and not kernels.int8_vnni
+        assert all(lin.vnni == kernels.gguf_vnni for layer in llm.engine.model.linears for lin in layer.values())
+        outputs[switch] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    assert outputs["1"] == outputs["0"]
 
 
 @needs_kernel

@@ -322,14 +322,16 @@ class GGUFLinear:
     products summed exactly per block. fp32 in and out; x in another dtype is widened and the product rounded
     back to it."""
 
-    __slots__ = ("panels", "n")
+    __slots__ = ("panels", "n", "vnni")
 
-    def __init__(self, weight: GGUFWeight) -> None:
+    def __init__(self, weight: GGUFWeight, vnni: bool = False) -> None:
+        """`vnni`: the sums with AVX512-VNNI (Kernels.gguf_vnni), the same bits."""
         self.panels = weight.pack()
         self.n = weight.rows
+        self.vnni = vnni
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_kernels.gguf_linear(x.float(), self.panels, self.n)
+        y = cpu_kernels.gguf_linear(x.float(), self.panels, self.n, vnni=self.vnni)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @property
@@ -412,6 +414,7 @@ class Kernels:
     onednn_fp32: bool = False  # Linear: oneDNN on reordered fp32 weights above the panel rows, for MKL
     vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
     gguf: bool = False  # quantization="gguf": a GGUF file's own blocks on cpu_kernels.gguf_linear (GGUFLinear)
+    gguf_vnni: bool = False  # gguf: its sums with AVX512-VNNI's vpdpwssd (cpu_kernels.vnni_unavailable_reason)
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -432,6 +435,8 @@ class Kernels:
         if (self.int8_tile_rows or self.int8_vnni) and not self.panel_rows:
             raise ValueError("int8_tile_rows and int8_vnni run int8 weights from the panel kernel's panels: "
                              "they need them")
+        if self.gguf_vnni and not self.gguf:
+            raise ValueError("gguf_vnni runs the GGUF kernel: it needs gguf")
         if self.vector_attention and self.amx_attention:
             raise ValueError("prompt chunks attend on AMX tiles or in the vector kernel, not both")
         if self.onednn_fp32 and (self.packed_gemm or self.invariant):
@@ -459,8 +464,8 @@ class Kernels:
         (cpu_kernels.int8_tile_kernel), fewer on the panel kernel, or with AVX512-VNNI on
         cpu_kernels.vnni_linear_int8 (`int8_vnni`, cpu_kernels.vnni_unavailable_reason).
         Prompt chunks attend in the vector kernel (`vector_attention`, vector_attention_enabled) in fp32,
-        int8 and widened bf16, except where AMX tiles compute bf16.
-        `gguf`: a GGUF file's blocks on cpu_kernels.gguf_linear where it runs. `batch_invariant` (fp32, no
+        int8 and widened bf16, except where AMX tiles compute bf16. `gguf`: a GGUF file's blocks on
+        cpu_kernels.gguf_linear where it runs, with VNNI where int8 would. `batch_invariant` (fp32, no
         quantization): every kernel but MKL's on the native path, none on the portable one (invariant.choose_path)."""
         if batch_invariant:
             if dtype != torch.float32 or quantized or gguf:
@@ -483,7 +488,7 @@ class Kernels:
         avx512_bf16 = native_gemm and not amx and cpu_kernels.avx512_bf16_unavailable_reason() is None
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         int8_tiles = cpu_kernels.int8_tile_kernel() if quantized and native else None
-        int8_vnni = quantized and native and cpu_kernels.vnni_unavailable_reason() is None
+        vnni = cpu_kernels.vnni_unavailable_reason() is None
         fp32 = dtype == torch.float32 and not quantized
         onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         amx_attention = amx and amx_attention_enabled(config)
@@ -498,7 +503,7 @@ class Kernels:
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
                    amx_attention=amx_attention, vector_attention=vector,
                    int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles,
-                   int8_vnni=int8_vnni, gguf=gguf_kernel)
+                   int8_vnni=quantized and native and vnni, gguf=gguf_kernel, gguf_vnni=gguf_kernel and vnni)
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -702,7 +707,7 @@ class LlamaModel:
         def linear(weight: torch.Tensor, bf16_output: bool = False,
                    blocks: GGUFWeight | None = None) -> Linear | NarrowLinear | GGUFLinear:
             if blocks is not None and k.gguf:
-                return GGUFLinear(blocks)
+                return GGUFLinear(blocks, k.gguf_vnni)
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel,
                                   k.int8_vnni)
@@ -742,7 +747,7 @@ class LlamaModel:
                 if self.quantization == "int8" else None,
                 plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
                 if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.int8_tile_rows,
-                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel), int8_vnni=k.int8_vnni)
+                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel), vnni=k.int8_vnni or k.gguf_vnni)
 
     @property
     def weight_bytes(self) -> int:

@@ -30,25 +30,26 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
                            std::vector<torch::Tensor> o, std::vector<torch::Tensor> ffn_norm,
                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                            std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
-                           bool amx_tiles, bool int8_vnni, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           bool amx_tiles, bool vnni, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t intermediate, double eps, double scale)
     : attn_norm_(std::move(attn_norm)), qkv_(std::move(qkv)), o_(std::move(o)), ffn_norm_(std::move(ffn_norm)),
       gate_up_(std::move(gate_up)), down_(std::move(down)), scales_(std::move(scales)), plain_(std::move(plain)),
-      native_rows_(native_rows), amx_tiles_(amx_tiles), int8_vnni_(int8_vnni), heads_(heads), kv_heads_(kv_heads),
+      native_rows_(native_rows), amx_tiles_(amx_tiles), vnni_(vnni), heads_(heads), kv_heads_(kv_heads),
       head_dim_(head_dim), intermediate_(intermediate),
       eps_(eps), scale_(scale) {
   const size_t layers = attn_norm_.size();
   TORCH_CHECK(layers > 0 && qkv_.size() == layers && o_.size() == layers && ffn_norm_.size() == layers &&
               gate_up_.size() == layers && down_.size() == layers, "one weight of each kind per layer");
   TORCH_CHECK(scales_.empty() || scales_.size() == 4 * layers, "four scales per layer (int8 panels) or none");
-  TORCH_CHECK(!int8_vnni_ || !scales_.empty(), "int8_vnni runs int8 panels: give their scales");
+  TORCH_CHECK(!vnni_ || !scales_.empty() || qkv_[0].scalar_type() == torch::kByte,
+              "vnni runs int8 panels (give their scales) or GGUF blocks");
   TORCH_CHECK(plain_.empty() || (plain_.size() == 4 * layers && scales_.empty() && native_rows_ > 0),
               "four unpacked bf16 weights per layer, with native_rows > 0 and no int8 scales, or none");
 }
 
 torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
                                    int64_t n) const {
-  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n);  // GGUF blocks (gguf_gemm.cpp)
+  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_);  // GGUF blocks (gguf_gemm.cpp)
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
@@ -61,7 +62,7 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
   if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels widened to bf16
     return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
                       : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
-  if (int8_vnni_) return vnni_linear_int8(x, panels, n, *scale(layer, which));
+  if (vnni_) return vnni_linear_int8(x, panels, n, *scale(layer, which));
   return panel_linear(x, panels, n, scale(layer, which));
 }
 

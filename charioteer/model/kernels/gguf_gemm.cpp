@@ -12,7 +12,8 @@
 // int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x for Q4_1), in fp32, block
 // after block in k order.
 // A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
-// vector; AVX2: 8).
+// vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd: the same int32 sums, as
+// no pair of products can overflow them with |x| <= 32767 and |q| <= 128).
 #include "kernels.h"
 #include "vec_math.h"
 
@@ -47,6 +48,12 @@ inline IVec pairs_sum(IVec sum, IVec w, int32_t x) {
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(load_bytes(p)); }
+#define CHARIOTEER_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+struct DotSums {  // vpdpwssd: the multiply and the add in one instruction
+  CHARIOTEER_VNNI_TARGET static IVec add(IVec sum, IVec w, int32_t x) {
+    return _mm512_dpwssd_epi32(sum, w, _mm512_set1_epi32(x));
+  }
+};
 #else
 using IVec = __m256i;
 using Bytes = __m128i;
@@ -64,14 +71,18 @@ inline IVec izero() { return _mm256_setzero_si256(); }
 inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
 #endif
+struct MaddSums {
+  static IVec add(IVec sum, IVec w, int32_t x) { return pairs_sum(sum, w, x); }
+};
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
 constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns in a k quad (Q4_1) or pair (Q8_0)
 
 // Rows [0, R) of x (int16 pairs, kp apart; scales and sums `blocks` apart) times one panel's `blocks`
-// records, into y's first `cols` columns.
-template <int R, bool Q41>
-void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
-                const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
+// records, into y's first `cols` columns, the int16 pairs' products summed by Sums::add.
+template <int R, bool Q41, typename Sums>
+__attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int64_t kp, const float* xscale,
+                                                      const float* xsum, int64_t blocks, const uint8_t* panel,
+                                                      float* y, int64_t ldy, int64_t cols) {
   constexpr int64_t record = Q41 ? kQ41Record : kQ80Record;
   Vec total[R][kVecs];
   for (int r = 0; r < R; ++r)
@@ -88,14 +99,14 @@ void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const flo
         for (int v = 0; v < kVecs; ++v) {
           const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
           for (int r = 0; r < R; ++r)
-            sum[r][v] = pairs_sum(pairs_sum(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
+            sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
         }
     } else {
       const uint8_t* q = rec + 2 * kCols;
       for (int64_t u = 0; u < kBlock / 2; ++u)
         for (int v = 0; v < kVecs; ++v) {
           const IVec w = widen_s8(q + 2 * kCols * u + kStep * v);
-          for (int r = 0; r < R; ++r) sum[r][v] = pairs_sum(sum[r][v], w, xp[r * kp + u]);
+          for (int r = 0; r < R; ++r) sum[r][v] = Sums::add(sum[r][v], w, xp[r * kp + u]);
         }
     }
     for (int v = 0; v < kVecs; ++v) {
@@ -112,19 +123,41 @@ void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const flo
     for (int v = 0; v < kVecs; ++v) vstore_n(y + r * ldy + kPairLanes * v, total[r][v], cols - kPairLanes * v);
 }
 
+template <int R, bool Q41>
+void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
+                const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
+  panel_body<R, Q41, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+}
+
 using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, float*,
                            int64_t, int64_t);
+using RowKernels = std::array<PanelRows, kMaxRows + 1>;  // by row count, 1 to kMaxRows
 
 template <bool Q41, int... R>
-constexpr std::array<PanelRows, sizeof...(R) + 1> by_rows(std::integer_sequence<int, R...>) {
+constexpr RowKernels by_rows(std::integer_sequence<int, R...>) {
   return {nullptr, panel_rows<R + 1, Q41>...};
 }
-constexpr auto kQ41Rows = by_rows<true>(std::make_integer_sequence<int, kMaxRows>());
-constexpr auto kQ80Rows = by_rows<false>(std::make_integer_sequence<int, kMaxRows>());
+constexpr RowKernels kQ41Rows = by_rows<true>(std::make_integer_sequence<int, kMaxRows>());
+constexpr RowKernels kQ80Rows = by_rows<false>(std::make_integer_sequence<int, kMaxRows>());
+
+#if defined(__AVX512F__)
+template <int R, bool Q41>
+CHARIOTEER_VNNI_TARGET void panel_rows_vnni(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum,
+                                            int64_t blocks, const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
+  panel_body<R, Q41, DotSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+}
+
+template <bool Q41, int... R>
+constexpr RowKernels by_rows_vnni(std::integer_sequence<int, R...>) {
+  return {nullptr, panel_rows_vnni<R + 1, Q41>...};
+}
+constexpr RowKernels kQ41RowsVnni = by_rows_vnni<true>(std::make_integer_sequence<int, kMaxRows>());
+constexpr RowKernels kQ80RowsVnni = by_rows_vnni<false>(std::make_integer_sequence<int, kMaxRows>());
+#endif
 
 }  // namespace
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
@@ -134,6 +167,9 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
   TORCH_CHECK(0 < n && n <= packed.size(0) * kCols && n > (packed.size(0) - 1) * kCols,
               "gguf_linear: n = ", n, " does not match the weight's ", packed.size(0), " panels");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(!vnni, "gguf_linear: vnni is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
+#endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const bool q41 = packed.size(2) == kQ41Record;
@@ -148,7 +184,11 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* xs = xscale.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
-  const auto& kernel = q41 ? kQ41Rows : kQ80Rows;
+#if defined(__AVX512F__)
+  const RowKernels& kernel = vnni ? (q41 ? kQ41RowsVnni : kQ80RowsVnni) : q41 ? kQ41Rows : kQ80Rows;
+#else
+  const RowKernels& kernel = q41 ? kQ41Rows : kQ80Rows;
+#endif
   float* out = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {

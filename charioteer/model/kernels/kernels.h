@@ -58,8 +58,9 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t bl
                    float* sums);
 // x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own Q4_1 or Q8_0 blocks, repacked by
 // GGUFWeight.pack (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
-// weights widened to int16, products summed exactly per block; the same bits in both builds.
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
+// weights widened to int16, products summed exactly per block; the same bits in both builds, and with `vnni`
+// (the avx512 build, a CPU with AVX512-VNNI) from vpdpwssd.
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni);
 // The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).
 void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                        const torch::Tensor& scale);
@@ -95,11 +96,12 @@ class DecodeLayers {
   // panels, each layer's four weights as NarrowLinear holds them for oneDNN (plain bf16 or packed by
   // precision.pack_native_bf16), in the same order; a batch of `native_rows` rows or more rounds its input to bf16 and multiplies
   // through oneDNN's bf16 GEMM, as NarrowLinear does; empty: the panels only. Weights packed by
-  // amx_pack run the smaller batches on AMX tiles with `amx_tiles`, else with AVX512-BF16.
+  // amx_pack run the smaller batches on AMX tiles with `amx_tiles`, else with AVX512-BF16. `vnni`: int8 panels
+  // below native_rows on vnni_linear_int8, and GGUF blocks (uint8 panels, gguf_linear) with vpdpwssd.
   DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                std::vector<torch::Tensor> ffn_norm, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                std::vector<torch::Tensor> scales, std::vector<torch::Tensor> plain, int64_t native_rows,
-               bool amx_tiles, bool int8_vnni, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+               bool amx_tiles, bool vnni, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                double eps, double scale);
 
   // x [D, hidden] (updated in place and returned) and h = RMSNorm(x) with the first layer's
@@ -116,7 +118,7 @@ class DecodeLayers {
 
   std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_, plain_;
   int64_t native_rows_;
-  bool amx_tiles_, int8_vnni_;
+  bool amx_tiles_, vnni_;
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_, scale_;
 };
