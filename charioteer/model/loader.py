@@ -158,17 +158,9 @@ def load_gguf(path: str) -> LoadedModel:
             raise ValueError(f"{path}: tensor {name} is missing; the file is incomplete or not a LLaMA model")
         t = tensors[name]
         w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C")  # a writable copy
-        # [rows, row bytes] uint8, left in the file's read-only mapping (no copy, no memory until
-        # --quantization gguf packs them) except Q/K's, whose rows are reordered
-        raw = t.data if t.tensor_type.name in KINDS else None
-        if heads is not None:
-            w = _unpermute_rope_rows(w, heads)
-            raw = None if raw is None else _unpermute_rope_rows(raw, heads)
-        sd[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
-        if raw is not None:
-            with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory; nothing writes it
-                warnings.simplefilter("ignore", UserWarning)
-                blocks[hf_name] = GGUFWeight(t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(raw)))
+        sd[hf_name] = torch.from_numpy(np.ascontiguousarray(w if heads is None else _unpermute_rope_rows(w, heads)))
+        if t.tensor_type.name in KINDS:
+            blocks[hf_name] = _file_blocks(t, heads)
 
     put("model.embed_tokens.weight", "token_embd.weight")
     put("model.norm.weight", "output_norm.weight")
@@ -179,6 +171,15 @@ def load_gguf(path: str) -> LoadedModel:
             heads = n_heads if gname == "attn_q" else n_kv if gname == "attn_k" else None
             put(f"model.layers.{i}.{hname}.weight", f"blk.{i}.{gname}.weight", heads)
     return LoadedModel(config, sd, tokenizer, path, blocks)
+
+
+def _file_blocks(tensor, heads: int | None) -> GGUFWeight:
+    """A Q4_1 or Q8_0 tensor's [rows, row bytes] blocks, left in the file's read-only mapping (no copy, and no
+    memory until --quantization gguf packs them), except where `heads` reorders the rows (Q and K)."""
+    raw = tensor.data if heads is None else _unpermute_rope_rows(tensor.data, heads)
+    with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory; nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return GGUFWeight(tensor.tensor_type.name, torch.from_numpy(np.ascontiguousarray(raw)))
 
 
 # ---- Hugging Face directory -------------------------------------------------------------
