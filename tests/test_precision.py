@@ -332,6 +332,31 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
     assert out["cpu_features"] is not None
 
 
+def test_bench_switch_runs_both_sides_of_a_switch_and_says_what_it_changed(capsys, monkeypatch):
+    import json
+    import os
+
+    from charioteer.cli import main
+
+    monkeypatch.delenv("CHARIOTEER_VNNI", raising=False)
+    vnni = cpu_kernels.vnni_unavailable_reason() is None
+    rc = main(["bench", "switch", "--model", "synthetic:tiny", "--json", "--env", "CHARIOTEER_VNNI",
+               "--quantization", "int8", "--requests", "3", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "CHARIOTEER_VNNI" not in os.environ  # restored after the engines are built
+    assert out["kernels_changed"] == ({"int8_vnni": [True, False]} if vnni else {})
+    assert isinstance(out["same_tokens"], bool)  # VNNI quantizes x, the panel kernel does not: either may be
+    for side in ("on", "off"):
+        low, high = out[f"{side}_tok_s_spread"]
+        assert 0 < low <= out[f"{side}_tok_s"] <= high
+    assert out["on_over_off_verdict"] in {"faster", "slower", "not distinguishable"}
+    assert main(["bench", "switch", "--model", "synthetic:tiny", "--env", "VNNI"]) != 0
+    assert "--env must name one of Charioteer's switches (CHARIOTEER_...), got 'VNNI'" in capsys.readouterr().err
+    assert main(["bench", "switch", "--model", "synthetic:tiny", "--env", "CHARIOTEER_VNNI", "--off", "1"]) != 0
+    assert "--on and --off must differ, both are '1'" in capsys.readouterr().err
+
+
 def test_bench_single_stream_refuses_an_unknown_format(capsys):
     from charioteer.cli import main
 

@@ -24,6 +24,7 @@ from charioteer.bench.serve import ENGINE_FLAGS
 from charioteer.bench.search_check import add_search_check_bench
 from charioteer.bench.single_stream import add_single_stream_bench
 from charioteer.bench.structured import add_structured_bench
+from charioteer.bench.switch import add_switch_bench
 from charioteer.config import add_setting_args, check_settings
 
 # The engine settings a `bench serve|capacity` forwards to the `charioteer serve` it starts.
@@ -78,6 +79,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_prefix_caching_bench(sub)
     add_structured_bench(sub)
     add_single_stream_bench(sub)
+    add_switch_bench(sub)
     add_search_check_bench(sub)
     return p
 

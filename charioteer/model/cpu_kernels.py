@@ -409,7 +409,8 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, vnni: bool = Fals
     the block's d (and m times the block's sum of x for Q4_1) in fp32, block after block. A row's result
     depends on its own row of x alone, and is the same in the AVX2 and the AVX-512 build, and with `vnni`
     (vnni_unavailable_reason), which sums the int16 products with AVX512-VNNI's vpdpwssd: on a Zen 4, 16
-    requests of SmolLM2 generating 64 tokens each ran 1.09x [1.04, 1.13] faster; one stream, not distinguishably."""
+    requests of SmolLM2 generating 64 tokens each, 1.04-1.09x in three runs, apart from the spread in one
+    (BENCHMARKS.md, `bench switch`)."""
     return _kernels(isa).gguf_linear(x, packed, n, vnni)
 
 
