@@ -311,6 +311,23 @@ def test_add_rms_norm_matches_the_formula(rows, cols, seed, isa):
 
 
 @each_isa
+def test_rms_norm_is_add_rms_norm_of_a_negative_zero_and_leaves_x(isa):
+    """The first and last norms of a native-row-ops model: the later layers' kernel's bits, x untouched."""
+    from charioteer.model.llama import rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 576, generator=g), torch.randn(576, generator=g)
+    x[0, :5] = -0.0
+    start = x.clone()
+    h = cpu_kernels.rms_norm(x, w, 1e-5, isa=isa)
+    assert torch.equal(x, start) and torch.signbit(x[0, :5]).all()  # not written, -0.0 kept
+    assert torch.equal(h, cpu_kernels.add_rms_norm_(start.clone(), torch.full_like(x, -0.0), w, 1e-5, isa=isa))
+    torch.testing.assert_close(h, rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="x must be a 2-D fp32 tensor"):
+        cpu_kernels.rms_norm(x.bfloat16(), w, 1e-5, isa=isa)
+
+
+@each_isa
 def test_rope_is_bitwise_the_formula(isa):
     from charioteer.model.llama import apply_rope
 

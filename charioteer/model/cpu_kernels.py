@@ -282,6 +282,13 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
     return _kernels(isa).add_rms_norm_(x, delta, weight, eps, bf16_out)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) per row of x (fp32, not modified): add_rms_norm_'s bits for a delta of
+    -0.0, in one call. torch's rms_norm on the CPU runs a dozen ops, each costly when a decode step's weights
+    have just streamed through the caches."""
+    return _kernels(isa).rms_norm(x, weight, eps)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """x [T, heads, dim] * cos [T, dim] + roll(x, dim/2) * signed_sin [T, dim] in fp32, bitwise llama.apply_rope
     (x fp32, or bf16 widened exactly)."""

@@ -818,9 +818,17 @@ class LlamaModel:
         return x
 
     def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The first layer's input norm. In the batch-invariant mode it is add_norm's, as every later
-        layer's is: a pipeline stage starts at any layer, and its bits must not change with that."""
-        weight, eps = self.layers[0]["attn_norm"], self.config.rms_norm_eps
+        """The first layer's input norm: with the native row ops, add_norm's bits, as every later layer's
+        (in the batch-invariant mode a pipeline stage starts at any layer, and its bits must not change with
+        that), else torch's."""
+        return self._norm(x, self.layers[0]["attn_norm"])
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x's rows: the row-op kernel's (add_norm's bits for a -0.0 delta) where the native row
+        ops run on fp32 rows, else torch's rms_norm."""
+        eps = self.config.rms_norm_eps
+        if self.kernels.row_ops and x.dtype == torch.float32:
+            return cpu_kernels.rms_norm(x, weight, eps)
         if self.kernels.invariant is None:
             return rms_norm(x, weight, eps)
         return self.kernels.ops.add_norm(x, torch.full_like(x, -0.0), weight, eps)[1]  # x + -0.0 is x, bit for bit
@@ -830,7 +838,7 @@ class LlamaModel:
         """The last stage's output: logits [len(logits_rows), vocab] from the final hidden states."""
         run = hooks or _unprofiled
         every_row = inp.logits_rows.numel() == x.shape[0]  # increasing rows, so all of them in order
-        h = rms_norm(x if every_row else x[inp.logits_rows], self.final_norm, self.config.rms_norm_eps)
+        h = self._norm(x if every_row else x[inp.logits_rows], self.final_norm)
         return run("lm_head", lambda: self.lm_head_linear(h))
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out") = false);
+  m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight, x fp32 and untouched: add_rms_norm_'s bits for a -0.0 delta");
   m.def("rope", &rope, "x * cos + roll(x) * signed_sin, bitwise the formula");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())  // each build registers its own

@@ -21,6 +21,7 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 // delta fp32 or bf16; the norm fp32, or bf16 with bf16_out (rope and store_kv also take bf16 rows).
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                             bool bf16_out = false);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor argmax_rows(const torch::Tensor& logits);

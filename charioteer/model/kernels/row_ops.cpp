@@ -28,7 +28,8 @@ bool fp32_or_bf16_rows(const torch::Tensor& t) {
   return t.dim() == 2 && t.stride(1) == 1 && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16);
 }
 
-template <typename D, typename O>
+// With Add, x += delta first (in place); without, x is only read (dp is not).
+template <bool Add, typename D, typename O>
 void add_rms_norm_rows(float* xp, int64_t xs, const D* dp, int64_t ds, const float* wp, O* op, int64_t rows,
                        int64_t cols, float eps) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
@@ -37,8 +38,11 @@ void add_rms_norm_rows(float* xp, int64_t xs, const D* dp, int64_t ds, const flo
       const D* dr = dp + r * ds;
       Vec squares = vzero();
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const Vec v = vadd(vload_n(xr + c, cols - c), vload_row_n(dr + c, cols - c));
-        vstore_n(xr + c, v, cols - c);
+        Vec v = vload_n(xr + c, cols - c);
+        if constexpr (Add) {
+          v = vadd(v, vload_row_n(dr + c, cols - c));
+          vstore_n(xr + c, v, cols - c);
+        }
         squares = vfma(v, v, squares);
       }
       const float inv = 1.f / std::sqrt(vsum(squares) / cols + eps);
@@ -73,10 +77,23 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
   const float e = static_cast<float>(eps);
   const int64_t xs = x.stride(0), ds = delta.stride(0);
   const bool narrow_delta = delta.scalar_type() == torch::kBFloat16;
-  if (narrow_delta && bf16_out) add_rms_norm_rows(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
-  else if (narrow_delta) add_rms_norm_rows(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<float>(out), rows, cols, e);
-  else if (bf16_out) add_rms_norm_rows(xp, xs, row_data<const float>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
-  else add_rms_norm_rows(xp, xs, row_data<const float>(delta), ds, wp, row_data<float>(out), rows, cols, e);
+  if (narrow_delta && bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
+  else if (narrow_delta) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<float>(out), rows, cols, e);
+  else if (bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
+  else add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, wp, row_data<float>(out), rows, cols, e);
+  return out;
+}
+
+// weight * x / sqrt(mean(x^2) + eps), row by row, x fp32 and untouched: add_rms_norm_'s bits for a delta of
+// -0.0 (x + -0.0 is x), in one call where torch's rms_norm on the CPU runs a dozen ops.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+              weight.scalar_type() == torch::kFloat, "shapes do not match");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  add_rms_norm_rows<false>(const_cast<float*>(x.data_ptr<float>()), x.stride(0), static_cast<const float*>(nullptr), 0,
+                           weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                           static_cast<float>(eps));
   return out;
 }
 
