@@ -13,7 +13,7 @@ SDPA run such small shapes.
 - `decode_attention`: each decode's query against its own context, read in place through its
   slot list, with no padded copy of the contexts and one call for the whole batch; the cache may
   be bf16 (widened bf16, charioteer.model.precision).
-- Row ops (`add_rms_norm_`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
+- Row ops (`add_rms_norm_`, `rms_norm`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
 - `amx_linear`: bf16 GEMMs of up to about a hundred rows on AMX tiles, where the CPU has them
