@@ -89,6 +89,13 @@ class Sampler:
         return tokens
 
 
+def run_starts(tables: np.ndarray, ends: np.ndarray, block_size: int) -> np.ndarray | None:
+    """Each row's first slot when positions [0, ends[i]) of every row lie in one run of consecutive slots (each
+    of the blocks they use follows the one before; columns past them are ignored), else None."""
+    follows = (tables[:, 1:] == tables[:, :-1] + 1) | (np.arange(1, tables.shape[1]) >= -(-ends[:, None] // block_size))
+    return tables[:, 0] * block_size if follows.all() else None
+
+
 @dataclass
 class BatchResult:
     tokens: dict[str, int] = field(default_factory=dict)  # request_id -> sampled token
@@ -117,11 +124,8 @@ class ModelRunner:
 
     def _contiguous_start(self, entry: BatchEntry, end: int) -> int | None:
         """First slot of positions [0, end) when they are one run of consecutive slots, else None."""
-        bs = self.blocks.block_size
-        table = self.blocks.block_table(entry.request)[:-(-end // bs)]
-        if table != list(range(table[0], table[0] + len(table))):
-            return None
-        return table[0] * bs
+        starts = run_starts(np.array([self.blocks.block_table(entry.request)]), np.array([end]), self.blocks.block_size)
+        return None if starts is None else int(starts[0])
 
     @staticmethod
     def _wants_prompt_logprobs(entry: BatchEntry) -> bool:
@@ -208,10 +212,8 @@ class ModelRunner:
         pos = np.arange(ends.max())
         context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing may give other strides
         context[pos[None, :] >= ends[:, None]] = self.pad_slot
-        # a context is one run when each of its blocks follows the one before (padding is past its last)
-        follows = (table[:, 1:] == table[:, :-1] + 1) | (np.arange(1, widest) >= -(-ends[:, None] // bs))
-        # one scattered context: the batched gather serves them all
-        runs = list(zip((table[:, 0] * bs).tolist(), ends.tolist())) if follows.all() else None
+        starts = run_starts(table, ends, bs)  # one scattered context: the batched gather serves them all
+        runs = None if starts is None else list(zip(starts.tolist(), ends.tolist()))
         return context, ends, runs
 
     def _to_device(self, span: PrefillSpan) -> PrefillSpan:
