@@ -42,9 +42,11 @@ inline IVec widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(load_bytes(
 inline IVec widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
 inline IVec low_nibbles(IVec w) { return _mm512_and_si512(w, _mm512_set1_epi16(0x0F)); }
 inline IVec high_nibbles(IVec w) { return _mm512_srli_epi16(w, 4); }
-inline IVec pairs_sum(IVec sum, IVec w, int32_t x) {
-  return _mm512_add_epi32(sum, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
-}
+struct MaddSums {  // vpmaddwd, then vpaddd
+  static IVec add(IVec sum, IVec w, int32_t x) {
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
+  }
+};
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(load_bytes(p)); }
@@ -64,16 +66,15 @@ inline IVec widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(load_bytes(
 inline IVec widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi16(load_bytes(p)); }
 inline IVec low_nibbles(IVec w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
 inline IVec high_nibbles(IVec w) { return _mm256_srli_epi16(w, 4); }
-inline IVec pairs_sum(IVec sum, IVec w, int32_t x) {
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
-}
+struct MaddSums {  // as the AVX-512 one
+  static IVec add(IVec sum, IVec w, int32_t x) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+  }
+};
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
 #endif
-struct MaddSums {
-  static IVec add(IVec sum, IVec w, int32_t x) { return pairs_sum(sum, w, x); }
-};
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
 constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns in a k quad (Q4_1) or pair (Q8_0)
 
