@@ -1,4 +1,6 @@
-"""quantization="gguf": a GGUF file's own Q4_1 and Q8_0 blocks, kept, packed and multiplied as they are."""
+"""quantization="gguf": a GGUF file's own blocks, kept, packed and multiplied as they are."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 
 from charioteer import LLM, SamplingParams
 from charioteer.model import cpu_kernels
-from charioteer.model.gguf_blocks import BLOCK, BLOCK_BYTES, GGUFWeight, concat
+from charioteer.model.gguf_blocks import BLOCK, BLOCK_BYTES, KINDS, FusedWeight, GGUFWeight, concat
 from charioteer.model.llama import GGUFLinear, Linear
 
 GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason()
@@ -30,29 +32,49 @@ def test_the_default_files_blocks_dequantize_to_the_loaders_weights(default_mode
 
 
 def test_blocks_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="kind 'Q4_K' is none of Q4_1, Q8_0"):
-        GGUFWeight("Q4_K", torch.zeros(2, 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="kind 'Q6_K' is none of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K"):
+        GGUFWeight("Q6_K", torch.zeros(2, 210, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \[rows, blocks \* 20\]"):
         GGUFWeight("Q4_1", torch.zeros(2, 21, dtype=torch.uint8))
     q41 = GGUFWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8))
     q80 = GGUFWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8))
     assert concat([q41, q41]).rows == 4
-    assert concat([q41, q80]) is None and concat([q41, None]) is None  # a fused weight needs one kind throughout
+    assert concat([q41, q80]) is None and concat([q41, None]) is None  # a fused weight needs one form throughout
+    q50, q40 = GGUFWeight("Q5_0", torch.zeros(3, 22, dtype=torch.uint8)), GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8))
+    assert concat([q50, q80]).rows == 5  # both int8 q with fp16 d
+    assert concat([q40, q41]) is None  # 4-bit both, but Q4_0 runs with fp32 scales
 
 
 def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> GGUFWeight:
+    """`blocks` of the file's blocks per row (256 values each for Q4_K, else 32), random but for finite scales."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, size=(rows, blocks, 2)).astype(np.float16)  # d (and m): finite, moderate
+    scales = rng.uniform(-0.05, 0.05, size=(rows, blocks, 2)).astype(np.float16)  # d and m or dmin: moderate
     raw[..., 0:2] = scales[..., :1].view(np.uint8)
-    if kind == "Q4_1":
+    if kind in ("Q4_1", "Q4_K"):
         raw[..., 2:4] = scales[..., 1:].view(np.uint8)
     return GGUFWeight(kind, torch.from_numpy(raw.reshape(rows, -1)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_dequantizes_as_gguf_py_does(kind):
+    """The loader's fp32 weights come from gguf-py's dequantize: the kernel forms hold exactly those values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = _random_blocks(kind, 5, 3, np.random.default_rng(3))
+    reference = dequantize(w.data.numpy(), GGMLQuantizationType[kind])
+    assert w.cols == reference.shape[1] and torch.equal(w.dequantize(), torch.from_numpy(reference))
+    d, m, q = w.fields()
+    assert d.shape == (5, w.cols // BLOCK) and q.shape == (5, w.cols // BLOCK, BLOCK)
+    assert (m is not None, d.dtype) == w.form
+    fused = concat([w, w])
+    assert isinstance(fused, FusedWeight) and torch.equal(fused.dequantize(), w.dequantize().repeat(2, 1))
 
 
 def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32), the
     int16 products' exact sums, then d * scale * sum (+ m * the block's sum of x, added in fp32 in order)."""
-    d, m, q = w._fields()
+    d, m, q = w.fields()
     xb = x.reshape(x.shape[0], -1, BLOCK)
     top = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))  # fp32, as the kernel
@@ -69,7 +91,7 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 
 @each_isa
 @settings(max_examples=25, deadline=None)
-@given(kind=st.sampled_from(["Q4_1", "Q8_0"]), rows=st.integers(1, 20), n=st.integers(1, 70),
+@given(kind=st.sampled_from(KINDS), rows=st.integers(1, 20), n=st.integers(1, 70),
        blocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), outlier=st.booleans())
 def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outlier):
     """Against a float64 model of its arithmetic, and within half an int16 step of each block's largest |x|
@@ -77,7 +99,8 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     included. Both builds give the same bits, and so do the AVX512-VNNI sums."""
     rng = np.random.default_rng(seed)
     w = _random_blocks(kind, n, blocks, rng)
-    x = torch.from_numpy(rng.standard_normal((rows, blocks * BLOCK)).astype(np.float32))
+    blocks = w.cols // BLOCK  # the kernel's blocks of 32 (a Q4_K block holds 8)
+    x = torch.from_numpy(rng.standard_normal((rows, w.cols)).astype(np.float32))
     if outlier:
         x[0, 0] = 1000.0
     y = cpu_kernels.gguf_linear(x, w.pack(), n, isa=isa)
@@ -87,7 +110,7 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
             assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, isa=other), y)
     if cpu_kernels.vnni_unavailable_reason(isa) is None:
         assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, vnni=True, isa=isa), y)
-    d, m, q = w._fields()  # the kernel's two terms, d q x and m x, round apart: their own magnitudes
+    d, m, q = w.fields()  # the kernel's two terms, d q x and m x, round apart: their own magnitudes
     terms = (d.double().abs()[..., None] * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
     magnitude = x.abs().double() @ terms.reshape(n, -1).T
     assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude)
@@ -116,7 +139,7 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own Q4_1 or Q8_0 blocks"):
+    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q8_0, Q4_K bl"):
         LLM("synthetic:tiny", quantization="gguf")
 
 
@@ -143,6 +166,75 @@ def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, ke
         assert ours == reference
     else:
         assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+
+
+def _q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """w [rows, cols] (cols a multiple of 256) in Q4_K blocks, by a plain rounding (not llama.cpp's search): each
+    sub-block's range and min on the 6-bit grids of its super-block's d and dmin. gguf-py has no Q4_K quantizer."""
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 8, 32).astype(np.float32)
+    low = np.minimum(sub.min(-1), 0)
+    step, mins = (sub.max(-1) - low) / 15, -low  # per sub-block
+    d, dmin = (step.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+
+    def grid(v, unit):  # v / unit rounded to 0..63, 0 where the unit is
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.round(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0)), 0, 63).astype(np.uint8)
+
+    sc, mn = grid(step, d), grid(mins, dmin)
+    scale = (d.astype(np.float32)[..., None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.clip(np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0)), 0, 15).astype(np.uint8)
+    packed = np.concatenate([(sc[..., :4] & 63) | (sc[..., 4:] >> 4 << 6), (mn[..., :4] & 63) | (mn[..., 4:] >> 4 << 6),
+                             (sc[..., 4:] & 15) | (mn[..., 4:] << 4)], axis=-1)
+    q = q.reshape(rows, -1, 4, 2, 32)  # sub-blocks 2g and 2g + 1 in the low and high nibbles of 32 bytes
+    qs = (q[..., 0, :] | q[..., 1, :] << 4).reshape(rows, -1, 128)
+    head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1)
+    return np.concatenate([head, packed, qs], axis=-1).reshape(rows, -1)
+
+
+def _quantized(w: torch.Tensor, kind: str) -> GGUFWeight:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    data = _q4_k_bytes(w.numpy()) if kind == "Q4_K" else quantize(w.numpy(), GGMLQuantizationType[kind])
+    return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(data)))
+
+
+def test_the_q4_k_test_quantizer_is_close():
+    w = torch.from_numpy(np.random.default_rng(5).standard_normal((4, 512)).astype(np.float32))
+    assert (_quantized(w, "Q4_K").dequantize() - w).abs().max() < 0.25 * w.abs().max()
+
+
+# As llama.cpp's Q4_K_M of SmolLM2 (whose 576 columns take no K-quant): Q5_0, with V in Q8_0; Q4_K down
+# projections (1536 columns) in even layers, and in odd ones none (as Q6_K's, which run as fp32); a Q4_0 LM head.
+MIXED_KINDS = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q5_0",
+               "up_proj": "Q5_0", "down_proj": "Q4_K", "embed_tokens": "Q4_0"}
+
+
+@needs_kernel
+def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model):
+    """Fused QKV of Q5_0 and Q8_0 parts (one kernel form), Q4_K and Q4_0 in fp32-scale records: every linear
+    layer with blocks and the LM head run them, the others fp32's panels, in the one-call decode too (with VNNI
+    where the CPU has it), with greedy tokens mostly fp32's on the same (dequantized) weights."""
+    blocks, state = {}, dict(default_model.state_dict)
+    for name, w in default_model.state_dict.items():
+        kind = next((k for part, k in MIXED_KINDS.items() if f".{part}." in name), None)
+        if kind is not None and not (kind == "Q4_K" and int(name.split(".")[2]) % 2):
+            blocks[name] = _quantized(w, kind)
+            state[name] = blocks[name].dequantize()
+    loaded = dataclasses.replace(default_model, state_dict=state, gguf_blocks=blocks)
+    llm = LLM(loaded, quantization="gguf", enable_prefix_caching=False)
+    model = llm.engine.model
+    assert all(isinstance(lin, Linear if name == "down" and i % 2 else GGUFLinear)
+               for i, layer in enumerate(model.linears) for name, lin in layer.items())
+    assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
+    assert {lin.panels.shape[-1] for lin in model.linears[0].values()} == {1088, 768}  # int8 q; nibbles, fp32 scales
+    fp32 = LLM(loaded, enable_prefix_caching=False)
+    prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ours, reference = ([o.outputs[0].token_ids for o in x.generate(prompts, params)] for x in (llm, fp32))
+    assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
 
 
 @needs_kernel

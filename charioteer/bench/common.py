@@ -44,7 +44,7 @@ def choices(text: str, allowed, flag: str) -> list[str]:
 
 
 # A benchmark's precision names and the engine settings each means: int8 is weight-only, with fp32
-# activations and KV; gguf runs the GGUF file's own Q4_1/Q8_0 blocks, with fp32 activations and KV
+# activations and KV; gguf runs the GGUF file's own blocks, with fp32 activations and KV
 # (`bench single-stream --formats`, `bench peers --dtypes`).
 PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
                       "int8": {"dtype": "float32", "quantization": "int8"},

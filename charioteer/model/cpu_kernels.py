@@ -410,11 +410,11 @@ def gguf_unavailable_reason() -> str | None:
 
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, vnni: bool = False,
                 isa: str | None = None) -> torch.Tensor:
-    """x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's Q4_1 or Q8_0 blocks, packed by
-    gguf_blocks.GGUFWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
+    """x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's blocks, packed by
+    gguf_blocks.BlockWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
     scale, the weights' q widened to int16, the products summed exactly in int32 per block, then scaled by
-    the block's d (and m times the block's sum of x for Q4_1) in fp32, block after block. A row's result
-    depends on its own row of x alone, and is the same in the AVX2 and the AVX-512 build, and with `vnni`
+    the block's d (and m times the block's sum of x for the 4-bit forms) in fp32, block after block. A row's
+    result depends on its own row of x alone, and is the same in the AVX2 and the AVX-512 build, and with `vnni`
     (vnni_unavailable_reason), which sums the int16 products with AVX512-VNNI's vpdpwssd: on a Zen 4, 16
     requests of SmolLM2 generating 64 tokens each, 1.04-1.09x in three runs, apart from the spread in one
     (BENCHMARKS.md, `bench switch`)."""

@@ -1,70 +1,82 @@
 """A GGUF file's own quantized weights, kept in its blocks (`quantization="gguf"`).
 
-GGUF stores a weight row by row in blocks of 32 values. Two kinds run here without an fp32 copy:
-- Q4_1 (20 bytes a block: 0.625 bytes a weight): fp16 d and m, then 16 bytes of 4-bit q, value j in
+GGUF stores a weight row by row in blocks. These kinds run here without an fp32 copy, each as blocks of 32
+values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a scale d and an offset m
+(w = d q + m), or int8 q with a scale d (w = d q), d and m in fp16 or fp32 as the kind needs:
+- Q4_1 (20 bytes a block of 32: 0.625 bytes a weight): fp16 d and m, then 16 bytes of 4-bit q, value j in
   the low nibble of byte j and value 16 + j in its high nibble; w = d * q + m.
-- Q8_0 (34 bytes a block): fp16 d, then 32 int8 q; w = d * q.
-The default model's file holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0.
-`pack` regroups a weight for cpu_kernels.gguf_linear (the layout is described in kernels/gguf_gemm.cpp);
-`dequantize` gives the fp32 weight the loader makes of the same bytes.
+- Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
+- Q4_0 (18 bytes): fp16 d, then q as Q4_1's; w = d * (q - 8): run as d and m = -8 d in fp32.
+- Q5_0 (22 bytes): fp16 d, 32 fifth bits (a uint32, bit j for value j), then q's low 4 bits as Q4_1's;
+  w = d * (q - 16): run as int8 q - 16.
+- Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
+  bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
+  value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
+Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
+`dequantize` gives the loader's fp32 weight. Q5_0 in int8 reads 1.06 bytes a weight (the file: 0.69), Q4_0
+and Q4_K with fp32 scales 0.75 (0.56). The default model's file holds its linear layers in Q4_1 and its
+embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576 columns
+are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q6_K, Q5_1, ...) run as fp32.
+`pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-BLOCK = 32  # values per block
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144}  # bytes per block of the file
+BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
+FORMS = {"Q4_0": (True, torch.float32), "Q4_1": (True, torch.float16), "Q5_0": (False, torch.float16),
+         "Q8_0": (False, torch.float16), "Q4_K": (True, torch.float32)}  # BlockWeight.form by kind
 PANEL = 32  # output columns per packed panel
 
+Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 
-@dataclass(frozen=True)
-class GGUFWeight:
-    """One weight [rows, cols] as the file's bytes: uint8 [rows, cols / 32 * block bytes] of `kind` blocks."""
 
-    kind: str
-    data: torch.Tensor
+def _nibbles(q: np.ndarray, group: int) -> np.ndarray:
+    """Bytes [..., n] of 4-bit pairs -> values [..., 2n]: per `group` bytes, their low nibbles, then their high."""
+    q = q.reshape(*q.shape[:-1], -1, 1, group) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*q.shape[:-3], -1)
 
-    def __post_init__(self) -> None:
-        if self.kind not in BLOCK_BYTES:
-            raise ValueError(f"GGUF block kind {self.kind!r} is none of {', '.join(KINDS)}")
-        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] % BLOCK_BYTES[self.kind]:
-            raise ValueError(f"{self.kind} rows must be uint8 [rows, blocks * {BLOCK_BYTES[self.kind]}], "
-                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of Q4_K's 12 bytes [..., 12]: sub-blocks 0-3 in the low 6 bits of bytes 0-3
+    (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, with their top 2 bits in bytes 0-7's."""
+    d, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales, mins
+
+
+class BlockWeight:
+    """What the model needs of a weight in blocks: its shape, its fields in a kernel form, and those packed."""
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        raise NotImplementedError
 
-    @property
-    def cols(self) -> int:
-        return self.data.shape[1] // BLOCK_BYTES[self.kind] * BLOCK
-
-    def _fields(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """d [rows, blocks] fp16, m (Q4_1, else None) and q [rows, blocks, 32] (uint8 0-15 or int8)."""
-        raw = self.data.reshape(self.rows, -1, BLOCK_BYTES[self.kind])
-        d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-        if self.kind == "Q8_0":
-            return d, None, raw[..., 2:].contiguous().view(torch.int8)
-        m = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-        nibbles = raw[..., 4:]
-        return d, m, torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+    def fields(self) -> Fields:
+        """d [rows, cols / 32] (fp16 or fp32), m (the same, or None: the int8 form) and q [rows, cols / 32, 32]
+        (uint8 0-15 with m, else int8)."""
+        raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
         """The weight in fp32 [rows, cols]: d * q (+ m), each in fp32."""
-        d, m, q = self._fields()
+        d, m, q = self.fields()
         w = d.float()[..., None] * q.float()
         if m is not None:
             w = w + m.float()[..., None]
-        return w.reshape(self.rows, self.cols)
+        return w.reshape(self.rows, -1)
 
     def pack(self) -> torch.Tensor:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
-        columns (rows past the last are zero) and k block, the columns' fp16 d (and m), then their q in
-        16-column halves, two k values (Q8_0) or two nibble pairs (Q4_1) side by side per column."""
-        d, m, q = self._fields()
+        columns (rows past the last are zero) and k block, the columns' d (and m), then their q in
+        16-column halves, two k values (int8) or two nibble pairs (4-bit) side by side per column."""
+        d, m, q = self.fields()
         pad = -self.rows % PANEL
         if pad:
             d, q = torch.nn.functional.pad(d, (0, 0, 0, pad)), torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
@@ -84,9 +96,83 @@ class GGUFWeight:
             values = (q[..., 0, :] | q[..., 1, :] << 4).reshape(panels, blocks, 2, 16, 8, 2).permute(0, 1, 4, 2, 3, 5)
         return torch.cat(scales + [values.reshape(panels, blocks, -1)], dim=-1).contiguous()
 
+    @property
+    def form(self) -> tuple[bool, torch.dtype]:
+        """(4-bit q with an offset m, the scales' dtype): the kernel record this weight packs into."""
+        raise NotImplementedError
 
-def concat(parts: list[GGUFWeight | None]) -> GGUFWeight | None:
-    """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all are of one kind."""
-    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1 or len({p.cols for p in parts}) != 1:
+
+@dataclass(frozen=True)
+class GGUFWeight(BlockWeight):
+    """One weight [rows, cols] as the file's bytes: uint8 [rows, cols / values * block bytes] of `kind` blocks."""
+
+    kind: str
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_BYTES:
+            raise ValueError(f"GGUF block kind {self.kind!r} is none of {', '.join(KINDS)}")
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] % BLOCK_BYTES[self.kind]:
+            raise ValueError(f"{self.kind} rows must be uint8 [rows, blocks * {BLOCK_BYTES[self.kind]}], "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.data.shape[1] // BLOCK_BYTES[self.kind] * BLOCK_VALUES[self.kind]
+
+    @property
+    def form(self) -> tuple[bool, torch.dtype]:
+        return FORMS[self.kind]
+
+    def fields(self) -> Fields:
+        raw = self.data.numpy().reshape(self.rows, -1, BLOCK_BYTES[self.kind])
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+        if self.kind == "Q8_0":
+            return torch.from_numpy(d), None, torch.from_numpy(raw[..., 2:].copy().view(np.int8))
+        if self.kind == "Q4_1":
+            m = raw[..., 2:4].copy().view(np.float16)[..., 0]
+            return torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(_nibbles(raw[..., 4:], 16))
+        if self.kind == "Q4_0":
+            d = d.astype(np.float32)
+            return torch.from_numpy(d), torch.from_numpy(-8 * d), torch.from_numpy(_nibbles(raw[..., 2:], 16))
+        if self.kind == "Q5_0":
+            high = raw[..., 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
+            q = (_nibbles(raw[..., 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+            return torch.from_numpy(d), None, torch.from_numpy(q)
+        dmin = raw[..., 2:4].copy().view(np.float16)[..., 0]  # Q4_K: per super-block, then its 8 sub-blocks
+        scales, mins = _q4_k_scales(raw[..., 4:16])
+        d = d.astype(np.float32)[..., None] * scales.astype(np.float32)
+        m = -(dmin.astype(np.float32)[..., None] * mins.astype(np.float32))
+        q = _nibbles(raw[..., 16:], 32).reshape(self.rows, -1, BLOCK)
+        return torch.from_numpy(d.reshape(self.rows, -1)), torch.from_numpy(m.reshape(self.rows, -1)), torch.from_numpy(q)
+
+
+@dataclass(frozen=True)
+class FusedWeight(BlockWeight):
+    """Parts' rows stacked (a fused QKV or gate/up weight), all of one kernel form, whatever their kinds."""
+
+    parts: tuple[GGUFWeight, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def form(self) -> tuple[bool, torch.dtype]:
+        return self.parts[0].form
+
+    def fields(self) -> Fields:
+        fields = [p.fields() for p in self.parts]
+        d, m, q = (torch.cat(f) if f[0] is not None else None for f in zip(*fields))
+        return d, m, q
+
+
+def concat(parts: list[GGUFWeight | None]) -> BlockWeight | None:
+    """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all pack into one kernel form."""
+    if any(p is None for p in parts) or len({p.form for p in parts}) != 1 or len({p.cols for p in parts}) != 1:
         return None
-    return GGUFWeight(parts[0].kind, torch.cat([p.data for p in parts]))
+    return FusedWeight(tuple(parts))

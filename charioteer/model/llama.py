@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, huge_pages, invariant
 from charioteer.model.config import ModelConfig
-from charioteer.model.gguf_blocks import GGUFWeight, concat
+from charioteer.model.gguf_blocks import KINDS, BlockWeight, GGUFWeight, concat
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
                                         quantize_int8)
@@ -317,14 +317,14 @@ class Int8Linear(NarrowLinear):
 
 
 class GGUFLinear:
-    """y = x @ W.T for W in a GGUF file's own Q4_1 or Q8_0 blocks (gguf_blocks.GGUFWeight), repacked once for
+    """y = x @ W.T for W in a GGUF file's own blocks (gguf_blocks.BlockWeight), repacked once for
     cpu_kernels.gguf_linear, with no fp32 copy: each row of x quantized to int16 per block of 32 values, the
     products summed exactly per block. fp32 in and out; x in another dtype is widened and the product rounded
     back to it."""
 
     __slots__ = ("panels", "n", "vnni")
 
-    def __init__(self, weight: GGUFWeight, vnni: bool = False) -> None:
+    def __init__(self, weight: BlockWeight, vnni: bool = False) -> None:
         """`vnni`: the sums with AVX512-VNNI (Kernels.gguf_vnni), the same bits."""
         self.panels = weight.pack()
         self.n = weight.rows
@@ -616,7 +616,7 @@ def _layer_weights(w, p: str) -> dict[str, torch.Tensor]:
     )
 
 
-def _layer_blocks(blocks: dict[str, GGUFWeight], p: str) -> dict[str, GGUFWeight | None]:
+def _layer_blocks(blocks: dict[str, GGUFWeight], p: str) -> dict[str, BlockWeight | None]:
     """Layer `p`'s fused weights in GGUF blocks, as _layer_weights fuses them; None where a part has none."""
     part = blocks.get
     return dict(qkv=concat([part(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
@@ -656,8 +656,8 @@ class LlamaModel:
         if quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         if quantization == "gguf" and not gguf_blocks:
-            raise ValueError("quantization='gguf' runs a GGUF file's own Q4_1 or Q8_0 blocks, and this model has "
-                             "none: load it from a .gguf file (the default model is one), or use quantization='int8'")
+            raise ValueError(f"quantization='gguf' runs a GGUF file's own {', '.join(KINDS)} blocks, and this model "
+                             "has none: load it from a .gguf file (the default model is one), or use quantization='int8'")
         self._gguf_blocks = gguf_blocks if quantization == "gguf" else {}
         self.config = config
         self.device = torch.device(device)
@@ -705,7 +705,7 @@ class LlamaModel:
         c, k = self.config, self.kernels
 
         def linear(weight: torch.Tensor, bf16_output: bool = False,
-                   blocks: GGUFWeight | None = None) -> Linear | NarrowLinear | GGUFLinear:
+                   blocks: BlockWeight | None = None) -> Linear | NarrowLinear | GGUFLinear:
             if blocks is not None and k.gguf:
                 return GGUFLinear(blocks, k.gguf_vnni)
             if self.quantization == "int8":

@@ -42,7 +42,7 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]  # Hugging Face LLaMA names, fp32
     tokenizer: TextTokenizer | None
     source: str
-    # a GGUF file's weights in their own Q4_1 or Q8_0 blocks, by the state dict's names (quantization="gguf")
+    # a GGUF file's weights in their own blocks (gguf_blocks.KINDS), by the state dict's names (quantization="gguf")
     gguf_blocks: dict[str, GGUFWeight] = field(default_factory=dict)
 
 
@@ -174,7 +174,7 @@ def load_gguf(path: str) -> LoadedModel:
 
 
 def _file_blocks(tensor, heads: int | None) -> GGUFWeight:
-    """A Q4_1 or Q8_0 tensor's [rows, row bytes] blocks, left in the file's read-only mapping (no copy, and no
+    """A tensor's [rows, row bytes] blocks (a kind of gguf_blocks.KINDS), left in the file's read-only mapping (no copy, and no
     memory until --quantization gguf packs them), except where `heads` reorders the rows (Q and K)."""
     raw = tensor.data if heads is None else _unpermute_rope_rows(tensor.data, heads)
     with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory; nothing writes it

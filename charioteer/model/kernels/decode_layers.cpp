@@ -9,6 +9,8 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+
 namespace {
 
 constexpr int64_t kGateUp = 2;  // the fused gate/up weight's index among a layer's four
@@ -41,7 +43,10 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
   TORCH_CHECK(layers > 0 && qkv_.size() == layers && o_.size() == layers && ffn_norm_.size() == layers &&
               gate_up_.size() == layers && down_.size() == layers, "one weight of each kind per layer");
   TORCH_CHECK(scales_.empty() || scales_.size() == 4 * layers, "four scales per layer (int8 panels) or none");
-  TORCH_CHECK(!vnni_ || !scales_.empty() || qkv_[0].scalar_type() == torch::kByte,
+  const auto blocks = [](const std::vector<torch::Tensor>& w) {
+    return std::any_of(w.begin(), w.end(), [](const torch::Tensor& t) { return t.scalar_type() == torch::kByte; });
+  };
+  TORCH_CHECK(!vnni_ || !scales_.empty() || blocks(qkv_) || blocks(o_) || blocks(gate_up_) || blocks(down_),
               "vnni runs int8 panels (give their scales) or GGUF blocks");
   TORCH_CHECK(plain_.empty() || (plain_.size() == 4 * layers && scales_.empty() && native_rows_ > 0),
               "four unpacked bf16 weights per layer, with native_rows > 0 and no int8 scales, or none");
@@ -62,8 +67,8 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
   if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels widened to bf16
     return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
                       : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
-  if (vnni_) return vnni_linear_int8(x, panels, n, *scale(layer, which));
-  return panel_linear(x, panels, n, scale(layer, which));
+  if (vnni_ && panels.scalar_type() == torch::kChar) return vnni_linear_int8(x, panels, n, *scale(layer, which));
+  return panel_linear(x, panels, n, scale(layer, which));  // fp32 or bf16 panels: also a GGUF file's other kinds
 }
 
 c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {

@@ -1,16 +1,19 @@
 // GEMMs on a GGUF file's own quantized blocks, as llama.cpp runs them: no fp32 copy of the weight.
 //
-// GGUF stores each weight row in blocks of 32 values: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m,
-// 20 bytes: 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes). GGUFWeight.pack
-// (gguf_blocks.py) regroups them by 32 output columns into records of one k block each, [N/32][K/32][record]:
+// GGUF stores each weight row in blocks: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m, 20 bytes:
+// 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), and others that
+// gguf_blocks.py turns into these two forms exactly (Q5_0 into int8 q; Q4_0 and Q4_K's sub-blocks into 4-bit
+// q with fp32 d and m). BlockWeight.pack regroups them by 32 output columns into records of one block of 32
+// k each, [N/32][K/32][record], of three forms:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
+//   Q4_1 with fp32 scales (768 bytes): d[32] and m[32] fp32, then the nibbles as Q4_1's;
 //   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e].
-// So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for Q4_1, split into nibbles) is 16 (8)
-// columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32
+// So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4-bit forms, split into nibbles) is 16
+// (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32
 // (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and column the
-// int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x for Q4_1), in fp32, block
-// after block in k order.
+// int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x for the 4-bit forms), in
+// fp32, block after block in k order.
 // A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
 // vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd: the same int32 sums, as
 // no pair of products can overflow them with |x| <= 32767 and |q| <= 128).
@@ -30,6 +33,16 @@ constexpr int64_t kBlock = 32;  // values per GGUF block, and per x scale
 constexpr int64_t kCols = 32;   // output columns per panel
 constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) and the nibbles
 constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
+constexpr int64_t kQ41F32Record = 8 * kCols + kBlock * kCols / 2;  // d, m (fp32) and the nibbles
+
+// A record's form: its q as nibbles (with an offset m) or int8, and its scales in fp16 or fp32.
+enum class Form { kQ41, kQ80, kQ41F32 };
+template <Form F>
+constexpr bool kNibbles = F != Form::kQ80;
+template <Form F>
+constexpr int64_t kScaleBytes = F == Form::kQ41F32 ? 4 : 2;
+template <Form F>
+constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record : kQ41F32Record;
 
 // int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
 #if defined(__AVX512F__)
@@ -76,15 +89,20 @@ inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
 #endif
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
+template <Form F>
+inline Vec load_scales(const uint8_t* p) {  // kPairLanes columns' d or m
+  if constexpr (kScaleBytes<F> == 4) return vload(reinterpret_cast<const float*>(p));
+  else return load_fp16(p);
+}
 constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns in a k quad (Q4_1) or pair (Q8_0)
 
 // Rows [0, R) of x (int16 pairs, kp apart; scales and sums `blocks` apart) times one panel's `blocks`
 // records, into y's first `cols` columns, the int16 pairs' products summed by Sums::add.
-template <int R, bool Q41, typename Sums>
+template <int R, Form F, typename Sums>
 __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int64_t kp, const float* xscale,
                                                       const float* xsum, int64_t blocks, const uint8_t* panel,
                                                       float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t record = Q41 ? kQ41Record : kQ80Record;
+  constexpr int64_t record = kRecord<F>, scales = kScaleBytes<F> * kCols;  // bytes of d, and of m
   Vec total[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) total[r][v] = vzero();
@@ -94,8 +112,8 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
     IVec sum[R][kVecs];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
-    if constexpr (Q41) {
-      const uint8_t* q = rec + 4 * kCols;
+    if constexpr (kNibbles<F>) {
+      const uint8_t* q = rec + 2 * scales;
       for (int64_t u = 0; u < kBlock / 4; ++u)
         for (int v = 0; v < kVecs; ++v) {
           const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
@@ -103,7 +121,7 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
             sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
         }
     } else {
-      const uint8_t* q = rec + 2 * kCols;
+      const uint8_t* q = rec + scales;
       for (int64_t u = 0; u < kBlock / 2; ++u)
         for (int v = 0; v < kVecs; ++v) {
           const IVec w = widen_s8(q + 2 * kCols * u + kStep * v);
@@ -111,11 +129,11 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
         }
     }
     for (int v = 0; v < kVecs; ++v) {
-      const Vec d = load_fp16(rec + 2 * kPairLanes * v);
+      const Vec d = load_scales<F>(rec + kScaleBytes<F> * kPairLanes * v);
       for (int r = 0; r < R; ++r)
         total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
-      if constexpr (Q41) {
-        const Vec m = load_fp16(rec + 2 * kCols + 2 * kPairLanes * v);
+      if constexpr (kNibbles<F>) {
+        const Vec m = load_scales<F>(rec + scales + kScaleBytes<F> * kPairLanes * v);
         for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
       }
     }
@@ -124,37 +142,46 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
     for (int v = 0; v < kVecs; ++v) vstore_n(y + r * ldy + kPairLanes * v, total[r][v], cols - kPairLanes * v);
 }
 
-template <int R, bool Q41>
+template <int R, Form F>
 void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
                 const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
-  panel_body<R, Q41, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+  panel_body<R, F, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
 }
 
 using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, float*,
                            int64_t, int64_t);
 using RowKernels = std::array<PanelRows, kMaxRows + 1>;  // by row count, 1 to kMaxRows
 
-template <bool Q41, int... R>
+template <Form F, int... R>
 constexpr RowKernels by_rows(std::integer_sequence<int, R...>) {
-  return {nullptr, panel_rows<R + 1, Q41>...};
+  return {nullptr, panel_rows<R + 1, F>...};
 }
-constexpr RowKernels kQ41Rows = by_rows<true>(std::make_integer_sequence<int, kMaxRows>());
-constexpr RowKernels kQ80Rows = by_rows<false>(std::make_integer_sequence<int, kMaxRows>());
+template <Form F>
+constexpr RowKernels kRows = by_rows<F>(std::make_integer_sequence<int, kMaxRows>());
 
 #if defined(__AVX512F__)
-template <int R, bool Q41>
+template <int R, Form F>
 CHARIOTEER_VNNI_TARGET void panel_rows_vnni(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum,
                                             int64_t blocks, const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
-  panel_body<R, Q41, DotSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+  panel_body<R, F, DotSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
 }
 
-template <bool Q41, int... R>
+template <Form F, int... R>
 constexpr RowKernels by_rows_vnni(std::integer_sequence<int, R...>) {
-  return {nullptr, panel_rows_vnni<R + 1, Q41>...};
+  return {nullptr, panel_rows_vnni<R + 1, F>...};
 }
-constexpr RowKernels kQ41RowsVnni = by_rows_vnni<true>(std::make_integer_sequence<int, kMaxRows>());
-constexpr RowKernels kQ80RowsVnni = by_rows_vnni<false>(std::make_integer_sequence<int, kMaxRows>());
+template <Form F>
+constexpr RowKernels kRowsVnni = by_rows_vnni<F>(std::make_integer_sequence<int, kMaxRows>());
 #endif
+
+// The row kernels of a record's form, by the record's size.
+const RowKernels& row_kernels(int64_t record, bool vnni) {
+#if defined(__AVX512F__)
+  if (vnni) return record == kQ41Record ? kRowsVnni<Form::kQ41> : record == kQ80Record ? kRowsVnni<Form::kQ80>
+                                                                                         : kRowsVnni<Form::kQ41F32>;
+#endif
+  return record == kQ41Record ? kRows<Form::kQ41> : record == kQ80Record ? kRows<Form::kQ80> : kRows<Form::kQ41F32>;
+}
 
 }  // namespace
 
@@ -162,7 +189,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record),
+              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record || packed.size(2) == kQ41F32Record),
               "gguf_linear: the weight must come from GGUFWeight.pack ([N/32, K/32, record] uint8)");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
@@ -173,7 +200,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool q41 = packed.size(2) == kQ41Record;
+  const bool q41 = packed.size(2) != kQ80Record;  // an offset m: the blocks' sums of x are needed
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
@@ -185,11 +212,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* xs = xscale.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
-#if defined(__AVX512F__)
-  const RowKernels& kernel = vnni ? (q41 ? kQ41RowsVnni : kQ80RowsVnni) : q41 ? kQ41Rows : kQ80Rows;
-#else
-  const RowKernels& kernel = q41 ? kQ41Rows : kQ80Rows;
-#endif
+  const RowKernels& kernel = row_kernels(packed.size(2), vnni);
   float* out = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {

@@ -57,8 +57,8 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
 // each block's sum of x.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums);
-// x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own Q4_1 or Q8_0 blocks, repacked by
-// GGUFWeight.pack (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
+// x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own blocks, repacked by BlockWeight.pack
+// (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
 // weights widened to int16, products summed exactly per block; the same bits in both builds, and with `vnni`
 // (the avx512 build, a CPU with AVX512-VNNI) from vpdpwssd.
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni);
