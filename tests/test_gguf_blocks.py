@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from charioteer import LLM, SamplingParams
 from charioteer.model import cpu_kernels
-from charioteer.model.gguf_blocks import BLOCK, BLOCK_BYTES, KINDS, FusedWeight, GGUFWeight, concat
+from charioteer.model.gguf_blocks import BLOCK, BLOCK_BYTES, KINDS, FusedWeight, GGUFWeight, concat, per_value
 from charioteer.model.llama import GGUFLinear, Linear
 
 GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason()
@@ -32,8 +32,8 @@ def test_the_default_files_blocks_dequantize_to_the_loaders_weights(default_mode
 
 
 def test_blocks_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="kind 'Q6_K' is none of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K"):
-        GGUFWeight("Q6_K", torch.zeros(2, 210, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="kind 'Q5_K' is none of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"):
+        GGUFWeight("Q5_K", torch.zeros(2, 176, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \[rows, blocks \* 20\]"):
         GGUFWeight("Q4_1", torch.zeros(2, 21, dtype=torch.uint8))
     q41 = GGUFWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8))
@@ -49,7 +49,7 @@ def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) 
     """`blocks` of the file's blocks per row (256 values each for Q4_K, else 32), random but for finite scales."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, size=(rows, blocks, 2)).astype(np.float16)  # d and m or dmin: moderate
-    raw[..., 0:2] = scales[..., :1].view(np.uint8)
+    raw[..., slice(-2, None) if kind == "Q6_K" else slice(0, 2)] = scales[..., :1].view(np.uint8)
     if kind in ("Q4_1", "Q4_K"):
         raw[..., 2:4] = scales[..., 1:].view(np.uint8)
     return GGUFWeight(kind, torch.from_numpy(raw.reshape(rows, -1)))
@@ -65,8 +65,8 @@ def test_each_kind_dequantizes_as_gguf_py_does(kind):
     reference = dequantize(w.data.numpy(), GGMLQuantizationType[kind])
     assert w.cols == reference.shape[1] and torch.equal(w.dequantize(), torch.from_numpy(reference))
     d, m, q = w.fields()
-    assert d.shape == (5, w.cols // BLOCK) and q.shape == (5, w.cols // BLOCK, BLOCK)
-    assert (m is not None, d.dtype) == w.form
+    assert d.shape[:2] == (5, w.cols // BLOCK) and q.shape == (5, w.cols // BLOCK, BLOCK)
+    assert (m is not None, d.dtype, 1 if d.dim() == 2 else d.shape[2]) == w.form
     fused = concat([w, w])
     assert isinstance(fused, FusedWeight) and torch.equal(fused.dequantize(), w.dequantize().repeat(2, 1))
 
@@ -79,8 +79,8 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     top = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))  # fp32, as the kernel
     xq = torch.clamp(torch.round(xb * inv), -32767, 32767).double()
-    sums = torch.einsum("rbk,nbk->rnb", xq, q.double())
-    y = (sums * d.double()[None] * (top / 32767.0).double().squeeze(-1)[:, None]).sum(-1)
+    sums = torch.einsum("rbk,nbk->rnb", xq, q.double() * per_value(d.double()))
+    y = (sums * (top / 32767.0).double().squeeze(-1)[:, None]).sum(-1)
     if m is not None:
         xsum = torch.zeros(xb.shape[:2])
         for i in range(BLOCK):  # as quantize_rows sums: one fp32 addition after another
@@ -111,7 +111,7 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     if cpu_kernels.vnni_unavailable_reason(isa) is None:
         assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, vnni=True, isa=isa), y)
     d, m, q = w.fields()  # the kernel's two terms, d q x and m x, round apart: their own magnitudes
-    terms = (d.double().abs()[..., None] * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
+    terms = (per_value(d.double()).abs() * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
     magnitude = x.abs().double() @ terms.reshape(n, -1).T
     assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude)
     steps = (x.abs().reshape(rows, blocks, BLOCK).amax(-1) / 32767).double()  # [rows, blocks]
@@ -139,7 +139,7 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q8_0, Q4_K bl"):
+    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K bl"):
         LLM("synthetic:tiny", quantization="gguf")
 
 
@@ -193,43 +193,74 @@ def _q4_k_bytes(w: np.ndarray) -> np.ndarray:
     return np.concatenate([head, packed, qs], axis=-1).reshape(rows, -1)
 
 
+def _q6_k_bytes(w: np.ndarray) -> np.ndarray:
+    """w [rows, cols] (cols a multiple of 256) in Q6_K blocks, by a plain rounding: each 16 values' largest |w| / 31
+    on the int8 grid of its super-block's d (the largest of them / 127)."""
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 16, 16).astype(np.float32)
+    step = np.abs(sub).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    unit = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(step, unit, out=np.zeros_like(step), where=unit > 0)), -128, 127).astype(np.int8)
+    scale = (unit * sc)[..., None]
+    q = np.clip(np.round(np.divide(sub, scale, out=np.zeros_like(sub), where=scale > 0)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(rows, -1, 2, 2, 64)  # per half of 128: values 0-63 and 64-127
+    low = (q[..., 0, :] & 15) | (q[..., 1, :] & 15) << 4  # [rows, blocks, 2 halves, 64]
+    high = (q >> 4).reshape(rows, -1, 2, 4, 32)  # bit pairs of values 32 apart
+    high = high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6
+    return np.concatenate([low.reshape(rows, -1, 128), high.reshape(rows, -1, 64), sc.view(np.uint8),
+                           d[..., None].view(np.uint8)], axis=-1).reshape(rows, -1)
+
+
 def _quantized(w: torch.Tensor, kind: str) -> GGUFWeight:
+    """gguf-py's quantizer, or for the K-quants (it has none) a plain one here."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    data = _q4_k_bytes(w.numpy()) if kind == "Q4_K" else quantize(w.numpy(), GGMLQuantizationType[kind])
+    ours = {"Q4_K": _q4_k_bytes, "Q6_K": _q6_k_bytes}
+    data = ours[kind](w.numpy()) if kind in ours else quantize(w.numpy(), GGMLQuantizationType[kind])
     return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(data)))
 
 
-def test_the_q4_k_test_quantizer_is_close():
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_k_quant_test_quantizers_are_close(kind):
     w = torch.from_numpy(np.random.default_rng(5).standard_normal((4, 512)).astype(np.float32))
-    assert (_quantized(w, "Q4_K").dequantize() - w).abs().max() < 0.25 * w.abs().max()
+    assert (_quantized(w, kind).dequantize() - w).abs().max() < 0.25 * w.abs().max()
 
 
-# As llama.cpp's Q4_K_M of SmolLM2 (whose 576 columns take no K-quant): Q5_0, with V in Q8_0; Q4_K down
-# projections (1536 columns) in even layers, and in odd ones none (as Q6_K's, which run as fp32); a Q4_0 LM head.
+# As llama.cpp's Q4_K_M of SmolLM2 (whose 576 columns take no K-quant): Q5_0, with V in Q8_0; down projections
+# (1536 columns) in Q4_K in even layers and Q6_K in odd ones, but layer 1's in none (as a kind that runs in
+# fp32); a Q4_0 LM head.
 MIXED_KINDS = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q5_0",
                "up_proj": "Q5_0", "down_proj": "Q4_K", "embed_tokens": "Q4_0"}
 
 
+def _mixed_kind(name: str) -> str | None:
+    kind = next((k for part, k in MIXED_KINDS.items() if f".{part}." in name), None)
+    if kind != "Q4_K" or int(name.split(".")[2]) % 2 == 0:
+        return kind
+    return None if name.startswith("model.layers.1.") else "Q6_K"
+
+
 @needs_kernel
 def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model):
-    """Fused QKV of Q5_0 and Q8_0 parts (one kernel form), Q4_K and Q4_0 in fp32-scale records: every linear
+    """Fused QKV of Q5_0 and Q8_0 parts (one kernel form), Q4_K, Q6_K and Q4_0 in fp32-scale records: every linear
     layer with blocks and the LM head run them, the others fp32's panels, in the one-call decode too (with VNNI
     where the CPU has it), with greedy tokens mostly fp32's on the same (dequantized) weights."""
     blocks, state = {}, dict(default_model.state_dict)
     for name, w in default_model.state_dict.items():
-        kind = next((k for part, k in MIXED_KINDS.items() if f".{part}." in name), None)
-        if kind is not None and not (kind == "Q4_K" and int(name.split(".")[2]) % 2):
+        kind = _mixed_kind(name)
+        if kind is not None:
             blocks[name] = _quantized(w, kind)
             state[name] = blocks[name].dequantize()
     loaded = dataclasses.replace(default_model, state_dict=state, gguf_blocks=blocks)
     llm = LLM(loaded, quantization="gguf", enable_prefix_caching=False)
     model = llm.engine.model
-    assert all(isinstance(lin, Linear if name == "down" and i % 2 else GGUFLinear)
+    assert all(isinstance(lin, Linear if (i, name) == (1, "down") else GGUFLinear)
                for i, layer in enumerate(model.linears) for name, lin in layer.items())
     assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
-    assert {lin.panels.shape[-1] for lin in model.linears[0].values()} == {1088, 768}  # int8 q; nibbles, fp32 scales
+    records = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
+    assert records == {1088, 768, 1280}  # int8 q; nibbles with fp32 scales; int8 q with fp32 scales per 16
     fp32 = LLM(loaded, enable_prefix_caching=False)
     prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(temperature=0, max_tokens=12)

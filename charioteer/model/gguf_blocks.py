@@ -12,11 +12,13 @@ values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a
 - Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
   bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
   value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
+- Q6_K (210 bytes a super-block of 256): 128 bytes of q's low 4 bits, 64 of its high 2, 16 int8 scales sc, fp16
+  d; value i has w = d sc_s (q - 32) for s = i / 16: run as int8 q - 32 with an fp32 d sc_s per 16 values.
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
 `dequantize` gives the loader's fp32 weight. Q5_0 in int8 reads 1.06 bytes a weight (the file: 0.69), Q4_0
-and Q4_K with fp32 scales 0.75 (0.56). The default model's file holds its linear layers in Q4_1 and its
+and Q4_K with fp32 scales 0.75 (0.56), Q6_K 1.13 (0.82). The default model's file holds its linear layers in Q4_1 and its
 embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576 columns
-are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q6_K, Q5_1, ...) run as fp32.
+are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q5_1, Q5_K, ...) run as fp32.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -27,14 +29,16 @@ import numpy as np
 import torch
 
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144}  # bytes per block of the file
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
 BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
-FORMS = {"Q4_0": (True, torch.float32), "Q4_1": (True, torch.float16), "Q5_0": (False, torch.float16),
-         "Q8_0": (False, torch.float16), "Q4_K": (True, torch.float32)}  # BlockWeight.form by kind
+FORMS = {"Q4_0": (True, torch.float32, 1), "Q4_1": (True, torch.float16, 1), "Q5_0": (False, torch.float16, 1),
+         "Q8_0": (False, torch.float16, 1), "Q4_K": (True, torch.float32, 1),
+         "Q6_K": (False, torch.float32, 2)}  # BlockWeight.form by kind
 PANEL = 32  # output columns per packed panel
 
 Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
+Form = tuple[bool, torch.dtype, int]
 
 
 def _nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -52,6 +56,12 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
+def per_value(d: torch.Tensor) -> torch.Tensor:
+    """Fields' d [rows, blocks] or [rows, blocks, sets] as each of the blocks' 32 values' scale [rows, blocks, 32]."""
+    d = d.reshape(*d.shape[:2], -1, 1)
+    return d.expand(*d.shape[:3], BLOCK // d.shape[2]).reshape(*d.shape[:2], BLOCK)
+
+
 class BlockWeight:
     """What the model needs of a weight in blocks: its shape, its fields in a kernel form, and those packed."""
 
@@ -60,14 +70,14 @@ class BlockWeight:
         raise NotImplementedError
 
     def fields(self) -> Fields:
-        """d [rows, cols / 32] (fp16 or fp32), m (the same, or None: the int8 form) and q [rows, cols / 32, 32]
-        (uint8 0-15 with m, else int8)."""
+        """d [rows, cols / 32] (fp16 or fp32; [rows, cols / 32, 2] with a d per 16 values), m (as d, or None: the
+        int8 form) and q [rows, cols / 32, 32] (uint8 0-15 with m, else int8)."""
         raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
         """The weight in fp32 [rows, cols]: d * q (+ m), each in fp32."""
         d, m, q = self.fields()
-        w = d.float()[..., None] * q.float()
+        w = per_value(d.float()) * q.float()
         if m is not None:
             w = w + m.float()[..., None]
         return w.reshape(self.rows, -1)
@@ -76,18 +86,16 @@ class BlockWeight:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
         columns (rows past the last are zero) and k block, the columns' d (and m), then their q in
         16-column halves, two k values (int8) or two nibble pairs (4-bit) side by side per column."""
-        d, m, q = self.fields()
         pad = -self.rows % PANEL
-        if pad:
-            d, q = torch.nn.functional.pad(d, (0, 0, 0, pad)), torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
-            m = None if m is None else torch.nn.functional.pad(m, (0, 0, 0, pad))
+        d, m, q = (None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields())
         panels, blocks = q.shape[0] // PANEL, q.shape[1]
 
         def columns(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks, ...] -> [panels, blocks, 32 columns, ...]
             return t.reshape(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
 
-        scales = [columns(s).contiguous().view(torch.uint8).reshape(panels, blocks, -1)
-                  for s in (d, m) if s is not None]
+        # per panel and block: each set of d (one per 16 k for two) or m, the 32 columns' side by side
+        scales = [columns(s.reshape(*s.shape[:2], -1)).transpose(2, 3).contiguous().view(torch.uint8)
+                  .reshape(panels, blocks, -1) for s in (d, m) if s is not None]
         q = columns(q.view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
         if m is None:  # k = 2u + e -> [u][half][column][e]
             values = q.reshape(panels, blocks, 2, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
@@ -97,8 +105,8 @@ class BlockWeight:
         return torch.cat(scales + [values.reshape(panels, blocks, -1)], dim=-1).contiguous()
 
     @property
-    def form(self) -> tuple[bool, torch.dtype]:
-        """(4-bit q with an offset m, the scales' dtype): the kernel record this weight packs into."""
+    def form(self) -> Form:
+        """(4-bit q with an offset m, the scales' dtype, sets of d per block of 32): the kernel record it packs into."""
         raise NotImplementedError
 
 
@@ -125,7 +133,7 @@ class GGUFWeight(BlockWeight):
         return self.data.shape[1] // BLOCK_BYTES[self.kind] * BLOCK_VALUES[self.kind]
 
     @property
-    def form(self) -> tuple[bool, torch.dtype]:
+    def form(self) -> Form:
         return FORMS[self.kind]
 
     def fields(self) -> Fields:
@@ -143,12 +151,23 @@ class GGUFWeight(BlockWeight):
             high = raw[..., 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
             q = (_nibbles(raw[..., 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
             return torch.from_numpy(d), None, torch.from_numpy(q)
+        if self.kind == "Q6_K":
+            return self._q6_k(raw)
         dmin = raw[..., 2:4].copy().view(np.float16)[..., 0]  # Q4_K: per super-block, then its 8 sub-blocks
         scales, mins = _q4_k_scales(raw[..., 4:16])
         d = d.astype(np.float32)[..., None] * scales.astype(np.float32)
         m = -(dmin.astype(np.float32)[..., None] * mins.astype(np.float32))
         q = _nibbles(raw[..., 16:], 32).reshape(self.rows, -1, BLOCK)
         return torch.from_numpy(d.reshape(self.rows, -1)), torch.from_numpy(m.reshape(self.rows, -1)), torch.from_numpy(q)
+
+
+    def _q6_k(self, raw: np.ndarray) -> Fields:
+        """Values 0-127 and 128-255 of a super-block each from 64 bytes of low nibbles (the 64 low, then the 64
+        high) and 32 bytes of high bit pairs (bits 0-1, 2-3, 4-5, 6-7 for values 32 apart)."""
+        high = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+        q = (_nibbles(raw[..., :128], 64) | ((high & 3).reshape(*raw.shape[:2], -1) << 4)).astype(np.int8) - 32
+        d = raw[..., 208:210].copy().view(np.float16).astype(np.float32) * raw[..., 192:208].view(np.int8)
+        return torch.from_numpy(d.reshape(self.rows, -1, 2)), None, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
 
 
 @dataclass(frozen=True)
@@ -162,7 +181,7 @@ class FusedWeight(BlockWeight):
         return sum(p.rows for p in self.parts)
 
     @property
-    def form(self) -> tuple[bool, torch.dtype]:
+    def form(self) -> Form:
         return self.parts[0].form
 
     def fields(self) -> Fields:

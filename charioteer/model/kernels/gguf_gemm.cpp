@@ -3,12 +3,14 @@
 // GGUF stores each weight row in blocks: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m, 20 bytes:
 // 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), and others that
 // gguf_blocks.py turns into these two forms exactly (Q5_0 into int8 q; Q4_0 and Q4_K's sub-blocks into 4-bit
-// q with fp32 d and m). BlockWeight.pack regroups them by 32 output columns into records of one block of 32
-// k each, [N/32][K/32][record], of three forms:
+// q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values). BlockWeight.pack regroups them by 32 output columns into records of one block of 32
+// k each, [N/32][K/32][record], of four forms:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
 //   Q4_1 with fp32 scales (768 bytes): d[32] and m[32] fp32, then the nibbles as Q4_1's;
-//   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e].
+//   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e];
+//   Q8_0 with two fp32 d a block (1280 bytes, for Q6_K's 16-value sub-blocks): d[32] of k 0-15, d[32] of
+//        k 16-31, then the int8 values as Q8_0's, summed in int32 per 16 k.
 // So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4-bit forms, split into nibbles) is 16
 // (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32
 // (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and column the
@@ -34,15 +36,20 @@ constexpr int64_t kCols = 32;   // output columns per panel
 constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) and the nibbles
 constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
 constexpr int64_t kQ41F32Record = 8 * kCols + kBlock * kCols / 2;  // d, m (fp32) and the nibbles
+constexpr int64_t kQ80HalvesRecord = 8 * kCols + kBlock * kCols;   // d of k 0-15, of k 16-31 (fp32), int8 values
 
-// A record's form: its q as nibbles (with an offset m) or int8, and its scales in fp16 or fp32.
-enum class Form { kQ41, kQ80, kQ41F32 };
+// A record's form: its q as nibbles (with an offset m) or int8, its scales in fp16 or fp32, one set of them
+// per block of 32 k or (int8 q) one per 16.
+enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves };
 template <Form F>
-constexpr bool kNibbles = F != Form::kQ80;
+constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32;
 template <Form F>
-constexpr int64_t kScaleBytes = F == Form::kQ41F32 ? 4 : 2;
+constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ80 ? 2 : 4;
 template <Form F>
-constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record : kQ41F32Record;
+constexpr int kParts = F == Form::kQ80Halves ? 2 : 1;  // sets of d per block, each for its share of k
+template <Form F>
+constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record
+                          : F == Form::kQ41F32 ? kQ41F32Record : kQ80HalvesRecord;
 
 // int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
 #if defined(__AVX512F__)
@@ -102,39 +109,42 @@ template <int R, Form F, typename Sums>
 __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int64_t kp, const float* xscale,
                                                       const float* xsum, int64_t blocks, const uint8_t* panel,
                                                       float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t record = kRecord<F>, scales = kScaleBytes<F> * kCols;  // bytes of d, and of m
+  constexpr int64_t record = kRecord<F>, scales = kScaleBytes<F> * kCols;  // bytes of one set of d (or m)
   Vec total[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) total[r][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * record;
     const int32_t* xp = pairs + b * kBlock / 2;
-    IVec sum[R][kVecs];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
-    if constexpr (kNibbles<F>) {
-      const uint8_t* q = rec + 2 * scales;
-      for (int64_t u = 0; u < kBlock / 4; ++u)
-        for (int v = 0; v < kVecs; ++v) {
-          const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
-          for (int r = 0; r < R; ++r)
-            sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
-        }
-    } else {
-      const uint8_t* q = rec + scales;
-      for (int64_t u = 0; u < kBlock / 2; ++u)
-        for (int v = 0; v < kVecs; ++v) {
-          const IVec w = widen_s8(q + 2 * kCols * u + kStep * v);
-          for (int r = 0; r < R; ++r) sum[r][v] = Sums::add(sum[r][v], w, xp[r * kp + u]);
-        }
-    }
-    for (int v = 0; v < kVecs; ++v) {
-      const Vec d = load_scales<F>(rec + kScaleBytes<F> * kPairLanes * v);
+    for (int part = 0; part < kParts<F>; ++part) {  // the k (pairs or quads) its d scales
+      IVec sum[R][kVecs];
       for (int r = 0; r < R; ++r)
-        total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
+        for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
       if constexpr (kNibbles<F>) {
-        const Vec m = load_scales<F>(rec + scales + kScaleBytes<F> * kPairLanes * v);
-        for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
+        const uint8_t* q = rec + 2 * scales;
+        for (int64_t u = 0; u < kBlock / 4; ++u)
+          for (int v = 0; v < kVecs; ++v) {
+            const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
+            for (int r = 0; r < R; ++r)
+              sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
+          }
+      } else {
+        const uint8_t* q = rec + kParts<F> * scales;
+        constexpr int64_t share = kBlock / 2 / kParts<F>;
+        for (int64_t u = part * share; u < (part + 1) * share; ++u)
+          for (int v = 0; v < kVecs; ++v) {
+            const IVec w = widen_s8(q + 2 * kCols * u + kStep * v);
+            for (int r = 0; r < R; ++r) sum[r][v] = Sums::add(sum[r][v], w, xp[r * kp + u]);
+          }
+      }
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec d = load_scales<F>(rec + part * scales + kScaleBytes<F> * kPairLanes * v);
+        for (int r = 0; r < R; ++r)
+          total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
+        if constexpr (kNibbles<F>) {
+          const Vec m = load_scales<F>(rec + scales + kScaleBytes<F> * kPairLanes * v);
+          for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
+        }
       }
     }
   }
@@ -177,10 +187,13 @@ constexpr RowKernels kRowsVnni = by_rows_vnni<F>(std::make_integer_sequence<int,
 // The row kernels of a record's form, by the record's size.
 const RowKernels& row_kernels(int64_t record, bool vnni) {
 #if defined(__AVX512F__)
-  if (vnni) return record == kQ41Record ? kRowsVnni<Form::kQ41> : record == kQ80Record ? kRowsVnni<Form::kQ80>
-                                                                                         : kRowsVnni<Form::kQ41F32>;
+  if (vnni) {
+    return record == kQ41Record ? kRowsVnni<Form::kQ41> : record == kQ80Record ? kRowsVnni<Form::kQ80>
+           : record == kQ41F32Record ? kRowsVnni<Form::kQ41F32> : kRowsVnni<Form::kQ80Halves>;
+  }
 #endif
-  return record == kQ41Record ? kRows<Form::kQ41> : record == kQ80Record ? kRows<Form::kQ80> : kRows<Form::kQ41F32>;
+  return record == kQ41Record ? kRows<Form::kQ41> : record == kQ80Record ? kRows<Form::kQ80>
+         : record == kQ41F32Record ? kRows<Form::kQ41F32> : kRows<Form::kQ80Halves>;
 }
 
 }  // namespace
@@ -189,7 +202,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record || packed.size(2) == kQ41F32Record),
+              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record || packed.size(2) == kQ41F32Record ||
+               packed.size(2) == kQ80HalvesRecord),
               "gguf_linear: the weight must come from GGUFWeight.pack ([N/32, K/32, record] uint8)");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
@@ -200,7 +214,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool q41 = packed.size(2) != kQ80Record;  // an offset m: the blocks' sums of x are needed
+  const bool q41 = packed.size(2) == kQ41Record || packed.size(2) == kQ41F32Record;  // an m: x's block sums
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
