@@ -40,7 +40,8 @@ def test_blocks_refuse_what_they_cannot_hold():
     q80 = GGUFWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8))
     assert concat([q41, q41]).rows == 4
     assert concat([q41, q80]) is None and concat([q41, None]) is None  # a fused weight needs one form throughout
-    q50, q40 = GGUFWeight("Q5_0", torch.zeros(3, 22, dtype=torch.uint8)), GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8))
+    q50 = GGUFWeight("Q5_0", torch.zeros(3, 22, dtype=torch.uint8))
+    q40 = GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8))
     assert concat([q50, q80]).rows == 5  # both int8 q with fp16 d
     assert concat([q40, q41]) is None  # 4-bit both, but Q4_0 runs with fp32 scales
 
@@ -139,7 +140,7 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    with pytest.raises(ValueError, match="quantization='gguf' runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K bl"):
+    with pytest.raises(ValueError, match="runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K blocks"):
         LLM("synthetic:tiny", quantization="gguf")
 
 
@@ -184,7 +185,8 @@ def _q4_k_bytes(w: np.ndarray) -> np.ndarray:
     sc, mn = grid(step, d), grid(mins, dmin)
     scale = (d.astype(np.float32)[..., None] * sc)[..., None]
     offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
-    q = np.clip(np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0)), 0, 15).astype(np.uint8)
+    q = np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0))
+    q = np.clip(q, 0, 15).astype(np.uint8)
     packed = np.concatenate([(sc[..., :4] & 63) | (sc[..., 4:] >> 4 << 6), (mn[..., :4] & 63) | (mn[..., 4:] >> 4 << 6),
                              (sc[..., 4:] & 15) | (mn[..., 4:] << 4)], axis=-1)
     q = q.reshape(rows, -1, 4, 2, 32)  # sub-blocks 2g and 2g + 1 in the low and high nibbles of 32 bytes

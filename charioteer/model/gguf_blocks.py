@@ -16,9 +16,10 @@ values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a
   d; value i has w = d sc_s (q - 32) for s = i / 16: run as int8 q - 32 with an fp32 d sc_s per 16 values.
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
 `dequantize` gives the loader's fp32 weight. Q5_0 in int8 reads 1.06 bytes a weight (the file: 0.69), Q4_0
-and Q4_K with fp32 scales 0.75 (0.56), Q6_K 1.13 (0.82). The default model's file holds its linear layers in Q4_1 and its
-embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576 columns
-are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q5_1, Q5_K, ...) run as fp32.
+and Q4_K with fp32 scales 0.75 (0.56), Q6_K 1.13 (0.82). The default model's file holds its linear layers in
+Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576
+columns are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q5_1, Q5_K, ...) run
+dequantized, as the model's dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -54,6 +55,49 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mins = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
     return scales, mins
+
+
+def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
+    return raw[..., at:at + 2].copy().view(np.float16)[..., 0]
+
+
+# Each kind's blocks [rows, blocks, bytes] -> its d, m (or None) and q in a kernel form, as numpy arrays of the
+# values in order (GGUFWeight.fields shapes them).
+def _q8_0(raw: np.ndarray) -> tuple:
+    return _fp16(raw, 0), None, raw[..., 2:].copy().view(np.int8)
+
+
+def _q4_1(raw: np.ndarray) -> tuple:
+    return _fp16(raw, 0), _fp16(raw, 2), _nibbles(raw[..., 4:], 16)
+
+
+def _q4_0(raw: np.ndarray) -> tuple:
+    d = _fp16(raw, 0).astype(np.float32)
+    return d, -8 * d, _nibbles(raw[..., 2:], 16)
+
+
+def _q5_0(raw: np.ndarray) -> tuple:
+    high = raw[..., 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
+    return _fp16(raw, 0), None, (_nibbles(raw[..., 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+
+
+def _q4_k(raw: np.ndarray) -> tuple:
+    """Per super-block d and dmin, then its eight sub-blocks' scales and mins (exact fp32 products)."""
+    scales, mins = _q4_k_scales(raw[..., 4:16])
+    d = _fp16(raw, 0).astype(np.float32)[..., None] * scales.astype(np.float32)
+    m = -(_fp16(raw, 2).astype(np.float32)[..., None] * mins.astype(np.float32))
+    return d, m, _nibbles(raw[..., 16:], 32)
+
+
+def _q6_k(raw: np.ndarray) -> tuple:
+    """Values 0-127 and 128-255 of a super-block each from 64 bytes of low nibbles (the 64 low, then the 64 high)
+    and 32 bytes of high bit pairs (bits 0-1, 2-3, 4-5, 6-7 for values 32 apart); a d per 16 values."""
+    high = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    q = (_nibbles(raw[..., :128], 64) | ((high & 3).reshape(*raw.shape[:2], -1) << 4)).astype(np.int8) - 32
+    return _fp16(raw, 208).astype(np.float32)[..., None] * raw[..., 192:208].view(np.int8), None, q
+
+
+_FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
 def per_value(d: torch.Tensor) -> torch.Tensor:
@@ -138,36 +182,11 @@ class GGUFWeight(BlockWeight):
 
     def fields(self) -> Fields:
         raw = self.data.numpy().reshape(self.rows, -1, BLOCK_BYTES[self.kind])
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0]
-        if self.kind == "Q8_0":
-            return torch.from_numpy(d), None, torch.from_numpy(raw[..., 2:].copy().view(np.int8))
-        if self.kind == "Q4_1":
-            m = raw[..., 2:4].copy().view(np.float16)[..., 0]
-            return torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(_nibbles(raw[..., 4:], 16))
-        if self.kind == "Q4_0":
-            d = d.astype(np.float32)
-            return torch.from_numpy(d), torch.from_numpy(-8 * d), torch.from_numpy(_nibbles(raw[..., 2:], 16))
-        if self.kind == "Q5_0":
-            high = raw[..., 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
-            q = (_nibbles(raw[..., 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
-            return torch.from_numpy(d), None, torch.from_numpy(q)
-        if self.kind == "Q6_K":
-            return self._q6_k(raw)
-        dmin = raw[..., 2:4].copy().view(np.float16)[..., 0]  # Q4_K: per super-block, then its 8 sub-blocks
-        scales, mins = _q4_k_scales(raw[..., 4:16])
-        d = d.astype(np.float32)[..., None] * scales.astype(np.float32)
-        m = -(dmin.astype(np.float32)[..., None] * mins.astype(np.float32))
-        q = _nibbles(raw[..., 16:], 32).reshape(self.rows, -1, BLOCK)
-        return torch.from_numpy(d.reshape(self.rows, -1)), torch.from_numpy(m.reshape(self.rows, -1)), torch.from_numpy(q)
-
-
-    def _q6_k(self, raw: np.ndarray) -> Fields:
-        """Values 0-127 and 128-255 of a super-block each from 64 bytes of low nibbles (the 64 low, then the 64
-        high) and 32 bytes of high bit pairs (bits 0-1, 2-3, 4-5, 6-7 for values 32 apart)."""
-        high = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-        q = (_nibbles(raw[..., :128], 64) | ((high & 3).reshape(*raw.shape[:2], -1) << 4)).astype(np.int8) - 32
-        d = raw[..., 208:210].copy().view(np.float16).astype(np.float32) * raw[..., 192:208].view(np.int8)
-        return torch.from_numpy(d.reshape(self.rows, -1, 2)), None, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
+        d, m, q = _FIELDS[self.kind](raw)
+        d = d.reshape(self.rows, q.size // (self.rows * BLOCK), -1)
+        d = d[..., 0] if d.shape[-1] == 1 else d  # [rows, blocks], or [rows, blocks, 2] for a d per 16 values
+        m = None if m is None else torch.from_numpy(m.reshape(self.rows, -1))
+        return torch.from_numpy(d), m, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
 
 
 @dataclass(frozen=True)

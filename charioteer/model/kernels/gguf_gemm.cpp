@@ -3,8 +3,8 @@
 // GGUF stores each weight row in blocks: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m, 20 bytes:
 // 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), and others that
 // gguf_blocks.py turns into these two forms exactly (Q5_0 into int8 q; Q4_0 and Q4_K's sub-blocks into 4-bit
-// q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values). BlockWeight.pack regroups them by 32 output columns into records of one block of 32
-// k each, [N/32][K/32][record], of four forms:
+// q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values). BlockWeight.pack regroups them by 32
+// output columns into records of one block of 32 k each, [N/32][K/32][record], of four forms:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
 //   Q4_1 with fp32 scales (768 bytes): d[32] and m[32] fp32, then the nibbles as Q4_1's;
