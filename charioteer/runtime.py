@@ -20,12 +20,23 @@ _M_MMAP_THRESHOLD = -3
 _done = False
 
 
+def switched_on(name: str) -> bool:
+    """A fast path's environment switch: on unless `name`=0, which forces the portable path (so that tests run
+    it on any machine)."""
+    return os.environ.get(name, "1") != "0"
+
+
+def switched_off_reason(name: str) -> str | None:
+    """"disabled by `name`=0" where that switch is off, else None."""
+    return None if switched_on(name) else f"disabled by {name}=0"
+
+
 def tune_allocator() -> bool:
     """Apply the malloc settings once per process; False where they do not apply (not glibc, opted out)."""
     global _done
     if _done:
         return True
-    if os.environ.get("CHARIOTEER_MALLOC_TUNING", "1") == "0":
+    if not switched_on("CHARIOTEER_MALLOC_TUNING"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

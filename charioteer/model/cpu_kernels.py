@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from charioteer.model.precision import cpu_flags
+from charioteer.runtime import switched_off_reason, switched_on
 
 ISAS = ("avx512", "avx2")  # best first: CHARIOTEER_CPU_KERNELS=auto takes the first this CPU runs
 # Rows up to which `linear` beats MKL's GEMMs, per build, at 2 threads (`charioteer bench roofline
@@ -114,7 +115,7 @@ def choose_isa() -> tuple[str | None, str | None]:
     if setting not in ISAS + ("auto",):
         return None, f"CHARIOTEER_CPU_KERNELS={setting} is none of {', '.join(ISAS)}, off, auto"
     candidates = (setting,) if setting != "auto" else ISAS
-    if os.environ.get("CHARIOTEER_AVX512", "1") == "0":
+    if not switched_on("CHARIOTEER_AVX512"):
         candidates = tuple(isa for isa in candidates if isa != "avx512")
     reasons = []
     for isa in candidates:
@@ -334,8 +335,8 @@ AMX_INT8_FLAGS = AMX_FLAGS | {"avx512_bf16"}  # amx_linear_int8 widens int8 to b
 def amx_unavailable_reason(isa: str | None = None, flags: set[str] = AMX_FLAGS) -> str | None:
     """None when `amx_linear` runs here (the CPU has AMX-BF16 tiles, Linux grants them to this process,
     and CHARIOTEER_AMX is not 0), else why not; with AMX_INT8_FLAGS, the same for `amx_linear_int8`."""
-    if os.environ.get("CHARIOTEER_AMX", "1") == "0":
-        return "disabled by CHARIOTEER_AMX=0"
+    if reason := switched_off_reason("CHARIOTEER_AMX"):
+        return reason
     if (isa or chosen_isa()) is None:
         return f"no CPU kernels ({unavailable_reason()})"
     cpu = cpu_flags()
@@ -354,8 +355,8 @@ def amx_int8_unavailable_reason(isa: str | None = None) -> str | None:
     """None when int8 weights run on AMX tiles here (`amx_linear_int8`), else why not: as
     `amx_unavailable_reason`, and CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel (fp32
     activations) where the tiles would run."""
-    if os.environ.get("CHARIOTEER_AMX_INT8", "1") == "0":
-        return "disabled by CHARIOTEER_AMX_INT8=0"
+    if reason := switched_off_reason("CHARIOTEER_AMX_INT8"):
+        return reason
     reason = amx_unavailable_reason(isa, AMX_INT8_FLAGS)
     if reason is None and _kernels(isa).panel_width != 32:
         return f"the {isa or chosen_isa()} build's panels are {_kernels(isa).panel_width} columns, the tiles read 32"
@@ -373,8 +374,8 @@ def int8_tile_kernel(isa: str | None = None) -> str | None:
 def _avx512_extension_reason(switch: str, flag: str, isa: str | None) -> str | None:
     """None when a kernel of the avx512 build that needs the CPU flag `flag` runs here and the environment
     variable `switch` is not 0, else why not."""
-    if os.environ.get(switch, "1") == "0":
-        return f"disabled by {switch}=0"
+    if reason := switched_off_reason(switch):
+        return reason
     isa = isa or chosen_isa()
     if isa != "avx512":
         return f"it is in the avx512 build only, and the kernels here are {isa or 'none'}"
@@ -403,9 +404,7 @@ def vnni_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch
 def gguf_unavailable_reason() -> str | None:
     """None when `gguf_linear` runs here (the CPU kernels, either build, and CHARIOTEER_GGUF_KERNEL is not 0),
     else why not."""
-    if os.environ.get("CHARIOTEER_GGUF_KERNEL", "1") == "0":
-        return "disabled by CHARIOTEER_GGUF_KERNEL=0"
-    return unavailable_reason()
+    return switched_off_reason("CHARIOTEER_GGUF_KERNEL") or unavailable_reason()
 
 
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, vnni: bool = False,

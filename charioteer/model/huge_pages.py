@@ -13,10 +13,11 @@ keeps each weight where it was made.
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 
 import torch
+
+from charioteer.runtime import switched_on
 
 HUGE_PAGE = 2 << 20
 ALIGNMENT = 64  # each weight's offset in the arena: a cache line, as torch aligns its own
@@ -24,7 +25,7 @@ ALIGNMENT = 64  # each weight's offset in the arena: a cache line, as torch alig
 
 def enabled() -> bool:
     """Whether weights go into a huge-page arena: Linux, and CHARIOTEER_HUGE_PAGES is not 0."""
-    return sys.platform.startswith("linux") and os.environ.get("CHARIOTEER_HUGE_PAGES", "1") != "0"
+    return sys.platform.startswith("linux") and switched_on("CHARIOTEER_HUGE_PAGES")
 
 
 def _fresh_huge_mapping(nbytes: int) -> torch.Tensor | None:

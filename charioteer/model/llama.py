@@ -23,7 +23,7 @@ from charioteer.model.gguf_blocks import KINDS, BlockWeight, GGUFWeight, concat
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
                                         quantize_int8)
-from charioteer.runtime import tune_allocator
+from charioteer.runtime import switched_on, tune_allocator
 
 
 @dataclass
@@ -97,7 +97,7 @@ PACKED_GEMM_MAX_ROWS = 64
 
 def packed_gemm_available(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and os.environ.get("CHARIOTEER_PACKED_GEMM", "1") != "0")
+            and hasattr(torch.ops.mkl, "_mkl_linear") and switched_on("CHARIOTEER_PACKED_GEMM"))
 
 
 DECODE_IN_PLACE_MIN_BYTES = 512 * 1024

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from charioteer.runtime import switched_on
+
 DTYPES = ("float32", "bfloat16", "auto")
 QUANTIZATIONS = ("int8", "gguf")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -103,7 +105,7 @@ def bf16_compute(device: torch.device) -> str:
 def native_bf16_gemm(device: torch.device, flags: set[str] | None = None) -> bool:
     """Whether widened bf16's larger GEMMs run in torch's native bf16 (AMX) on `device`: where it
     computes bf16 natively, unless CHARIOTEER_NATIVE_BF16_GEMM=0."""
-    return os.environ.get("CHARIOTEER_NATIVE_BF16_GEMM", "1") != "0" and native_bf16(device, flags)
+    return switched_on("CHARIOTEER_NATIVE_BF16_GEMM") and native_bf16(device, flags)
 
 
 def pack_native_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -129,7 +131,7 @@ def onednn_linear(x: torch.Tensor, reordered: torch.Tensor) -> torch.Tensor:
 def onednn_packs_bf16() -> bool:
     """Whether `pack_native_bf16` packs: torch's oneDNN runs bf16 on this CPU, and
     CHARIOTEER_ONEDNN_PACK is not 0."""
-    return (os.environ.get("CHARIOTEER_ONEDNN_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
+    return (switched_on("CHARIOTEER_ONEDNN_PACK") and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
