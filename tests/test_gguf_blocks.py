@@ -42,7 +42,7 @@ def test_blocks_refuse_what_they_cannot_hold():
     assert concat([q41, q80]) is None and concat([q41, None]) is None  # a fused weight needs one form throughout
     q50 = GGUFWeight("Q5_0", torch.zeros(3, 22, dtype=torch.uint8))
     q40 = GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8))
-    assert concat([q50, q80]).rows == 5  # both int8 q with fp16 d
+    assert concat([q50, q80]).rows == 5 and concat([q50, q80]).form[0] == 8  # 5-bit q run as int8 beside 8-bit
     assert concat([q40, q41]) is None  # 4-bit both, but Q4_0 runs with fp32 scales
 
 
@@ -67,7 +67,7 @@ def test_each_kind_dequantizes_as_gguf_py_does(kind):
     assert w.cols == reference.shape[1] and torch.equal(w.dequantize(), torch.from_numpy(reference))
     d, m, q = w.fields()
     assert d.shape[:2] == (5, w.cols // BLOCK) and q.shape == (5, w.cols // BLOCK, BLOCK)
-    assert (m is not None, d.dtype, 1 if d.dim() == 2 else d.shape[2]) == w.form
+    assert (m is not None, d.dtype, 1 if d.dim() == 2 else d.shape[2]) == w.form[1:]
     fused = concat([w, w])
     assert isinstance(fused, FusedWeight) and torch.equal(fused.dequantize(), w.dequantize().repeat(2, 1))
 
@@ -262,7 +262,7 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model):
                for i, layer in enumerate(model.linears) for name, lin in layer.items())
     assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
     records = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
-    assert records == {1088, 768, 1280}  # int8 q; nibbles with fp32 scales; int8 q with fp32 scales per 16
+    assert records == {1088, 704, 768, 1280}  # int8 q; 5-bit q; nibbles with fp32 scales; int8 q, a d per 16
     fp32 = LLM(loaded, enable_prefix_caching=False)
     prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(temperature=0, max_tokens=12)

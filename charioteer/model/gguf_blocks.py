@@ -2,21 +2,21 @@
 
 GGUF stores a weight row by row in blocks. These kinds run here without an fp32 copy, each as blocks of 32
 values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a scale d and an offset m
-(w = d q + m), or int8 q with a scale d (w = d q), d and m in fp16 or fp32 as the kind needs:
+(w = d q + m), 5-bit or 8-bit signed q with a scale d (w = d q), d and m in fp16 or fp32 as the kind needs:
 - Q4_1 (20 bytes a block of 32: 0.625 bytes a weight): fp16 d and m, then 16 bytes of 4-bit q, value j in
   the low nibble of byte j and value 16 + j in its high nibble; w = d * q + m.
 - Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, then q as Q4_1's; w = d * (q - 8): run as d and m = -8 d in fp32.
 - Q5_0 (22 bytes): fp16 d, 32 fifth bits (a uint32, bit j for value j), then q's low 4 bits as Q4_1's;
-  w = d * (q - 16): run as int8 q - 16.
+  w = d * (q - 16): run as 5-bit q - 16.
 - Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
   bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
   value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
 - Q6_K (210 bytes a super-block of 256): 128 bytes of q's low 4 bits, 64 of its high 2, 16 int8 scales sc, fp16
   d; value i has w = d sc_s (q - 32) for s = i / 16: run as int8 q - 32 with an fp32 d sc_s per 16 values.
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
-`dequantize` gives the loader's fp32 weight. Q5_0 in int8 reads 1.06 bytes a weight (the file: 0.69), Q4_0
-and Q4_K with fp32 scales 0.75 (0.56), Q6_K 1.13 (0.82). The default model's file holds its linear layers in
+`dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight (the
+file: 0.56), Q6_K 1.13 (0.82); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default model's file holds its linear layers in
 Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576
 columns are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q5_1, Q5_K, ...) run
 dequantized, as the model's dtype does.
@@ -33,13 +33,13 @@ BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
 BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
-FORMS = {"Q4_0": (True, torch.float32, 1), "Q4_1": (True, torch.float16, 1), "Q5_0": (False, torch.float16, 1),
-         "Q8_0": (False, torch.float16, 1), "Q4_K": (True, torch.float32, 1),
-         "Q6_K": (False, torch.float32, 2)}  # BlockWeight.form by kind
+FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1), "Q5_0": (5, False, torch.float16, 1),
+         "Q8_0": (8, False, torch.float16, 1), "Q4_K": (4, True, torch.float32, 1),
+         "Q6_K": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
 PANEL = 32  # output columns per packed panel
 
 Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
-Form = tuple[bool, torch.dtype, int]
+Form = tuple[int, bool, torch.dtype, int]
 
 
 def _nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -115,7 +115,7 @@ class BlockWeight:
 
     def fields(self) -> Fields:
         """d [rows, cols / 32] (fp16 or fp32; [rows, cols / 32, 2] with a d per 16 values), m (as d, or None: the
-        int8 form) and q [rows, cols / 32, 32] (uint8 0-15 with m, else int8)."""
+        signed forms) and q [rows, cols / 32, 32] (uint8 0-15 with m, else int8)."""
         raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
@@ -128,8 +128,9 @@ class BlockWeight:
 
     def pack(self) -> torch.Tensor:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
-        columns (rows past the last are zero) and k block, the columns' d (and m), then their q in
-        16-column halves, two k values (int8) or two nibble pairs (4-bit) side by side per column."""
+        columns (rows past the last are zero) and k block, the columns' d (and m; or 5-bit q's fifth bits),
+        then their q in 16-column halves, two k values (int8) or two nibble pairs (4- and 5-bit) side by side
+        per column (kernels/gguf_gemm.cpp)."""
         pad = -self.rows % PANEL
         d, m, q = (None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields())
         panels, blocks = q.shape[0] // PANEL, q.shape[1]
@@ -140,17 +141,22 @@ class BlockWeight:
         # per panel and block: each set of d (one per 16 k for two) or m, the 32 columns' side by side
         scales = [columns(s.reshape(*s.shape[:2], -1)).transpose(2, 3).contiguous().view(torch.uint8)
                   .reshape(panels, blocks, -1) for s in (d, m) if s is not None]
-        q = columns(q.view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
-        if m is None:  # k = 2u + e -> [u][half][column][e]
+        bits = self.form[0]
+        q = columns((q + 16 if bits == 5 else q).view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
+        if bits == 8:  # k = 2u + e -> [u][half][column][e]
             values = q.reshape(panels, blocks, 2, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
         else:  # k = 4u + 2s + e, nibble s -> [u][half][column][e]
-            q = q.reshape(panels, blocks, PANEL, 8, 2, 2)
-            values = (q[..., 0, :] | q[..., 1, :] << 4).reshape(panels, blocks, 2, 16, 8, 2).permute(0, 1, 4, 2, 3, 5)
+            q = q.reshape(panels, blocks, 2, 16, 8, 2, 2)  # [half][column][u][s][e]
+            if bits == 5:  # per u, half and s, a word of the fifth bits of [column][e]
+                fifth = (q >> 4).permute(0, 1, 4, 2, 5, 3, 6).reshape(panels, blocks, -1, 8)
+                scales.append((fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
+                q = q & 0x0F
+            values = (q[..., 0, :] | q[..., 1, :] << 4).permute(0, 1, 4, 2, 3, 5)
         return torch.cat(scales + [values.reshape(panels, blocks, -1)], dim=-1).contiguous()
 
     @property
     def form(self) -> Form:
-        """(4-bit q with an offset m, the scales' dtype, sets of d per block of 32): the kernel record it packs into."""
+        """(q's bits, an offset m, the scales' dtype, sets of d per block of 32): the kernel record it packs into."""
         raise NotImplementedError
 
 
@@ -201,7 +207,7 @@ class FusedWeight(BlockWeight):
 
     @property
     def form(self) -> Form:
-        return self.parts[0].form
+        return max(p.form[0] for p in self.parts), *self.parts[0].form[1:]  # 5-bit q fit int8 beside 8-bit parts
 
     def fields(self) -> Fields:
         fields = [p.fields() for p in self.parts]
@@ -210,7 +216,8 @@ class FusedWeight(BlockWeight):
 
 
 def concat(parts: list[GGUFWeight | None]) -> BlockWeight | None:
-    """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all pack into one kernel form."""
-    if any(p is None for p in parts) or len({p.form for p in parts}) != 1 or len({p.cols for p in parts}) != 1:
+    """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all pack into one kernel form (the
+    widest of their q's bits: a Q5_0 part beside Q8_0 ones runs as int8)."""
+    if any(p is None for p in parts) or len({p.form[1:] for p in parts}) != 1 or len({p.cols for p in parts}) != 1:
         return None
     return FusedWeight(tuple(parts))

@@ -1,21 +1,25 @@
 // GEMMs on a GGUF file's own quantized blocks, as llama.cpp runs them: no fp32 copy of the weight.
 //
 // GGUF stores each weight row in blocks: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m, 20 bytes:
-// 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), and others that
-// gguf_blocks.py turns into these two forms exactly (Q5_0 into int8 q; Q4_0 and Q4_K's sub-blocks into 4-bit
-// q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values). BlockWeight.pack regroups them by 32
-// output columns into records of one block of 32 k each, [N/32][K/32][record], of four forms:
+// 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), Q5_0 as one fp16 d and 32
+// 5-bit q (w = d (q - 16), 22 bytes), and others that gguf_blocks.py turns into these forms exactly (Q4_0 and
+// Q4_K's sub-blocks into 4-bit q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values).
+// BlockWeight.pack regroups them by 32 output columns into records of one block of 32 k each,
+// [N/32][K/32][record], of five forms:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
 //   Q4_1 with fp32 scales (768 bytes): d[32] and m[32] fp32, then the nibbles as Q4_1's;
+//   Q5_0 (704 bytes): d[32] fp16, the fifth bits, then q's low 4 bits as Q4_1's nibbles: per quad u, half h
+//        and nibble s a 32-bit word, its bit 2c + e q's fifth bit for k = 4u + 2s + e of column 16h + c;
+//        q - 16 is what is summed;
 //   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e];
 //   Q8_0 with two fp32 d a block (1280 bytes, for Q6_K's 16-value sub-blocks): d[32] of k 0-15, d[32] of
 //        k 16-31, then the int8 values as Q8_0's, summed in int32 per 16 k.
-// So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4-bit forms, split into nibbles) is 16
-// (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per block of 32
-// (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and column the
-// int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x for the 4-bit forms), in
-// fp32, block after block in k order.
+// So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4- and 5-bit forms, split into
+// nibbles) is 16 (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per
+// block of 32 (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and
+// column the int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x where there is
+// an m), in fp32, block after block in k order.
 // A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
 // vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd: the same int32 sums, as
 // no pair of products can overflow them with |x| <= 32767 and |q| <= 128).
@@ -27,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <utility>
 
 namespace {
@@ -37,19 +42,23 @@ constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) a
 constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
 constexpr int64_t kQ41F32Record = 8 * kCols + kBlock * kCols / 2;  // d, m (fp32) and the nibbles
 constexpr int64_t kQ80HalvesRecord = 8 * kCols + kBlock * kCols;   // d of k 0-15, of k 16-31 (fp32), int8 values
+constexpr int64_t kFifthBits = kBlock * kCols / 8;                     // bytes of a Q5_0 record's fifth bits
+constexpr int64_t kQ50Record = 2 * kCols + kFifthBits + kBlock * kCols / 2;  // d, fifth bits, nibbles
 
-// A record's form: its q as nibbles (with an offset m) or int8, its scales in fp16 or fp32, one set of them
-// per block of 32 k or (int8 q) one per 16.
-enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves };
+// A record's form: its q as nibbles (with an offset m, or with a fifth bit) or int8, its scales in fp16 or
+// fp32, one set of them per block of 32 k or (int8 q) one per 16.
+enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves, kQ50 };
 template <Form F>
-constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32;
+constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32 || F == Form::kQ50;
 template <Form F>
-constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ80 ? 2 : 4;
+constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32;  // an m per block and column
+template <Form F>
+constexpr int64_t kScaleBytes = F == Form::kQ41F32 || F == Form::kQ80Halves ? 4 : 2;
 template <Form F>
 constexpr int kParts = F == Form::kQ80Halves ? 2 : 1;  // sets of d per block, each for its share of k
 template <Form F>
 constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record
-                          : F == Form::kQ41F32 ? kQ41F32Record : kQ80HalvesRecord;
+                          : F == Form::kQ41F32 ? kQ41F32Record : F == Form::kQ80Halves ? kQ80HalvesRecord : kQ50Record;
 
 // int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
 #if defined(__AVX512F__)
@@ -70,6 +79,10 @@ struct MaddSums {  // vpmaddwd, then vpaddd
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline Vec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(load_bytes(p)); }
+// 5-bit q - 16 from q's low nibbles: minus 16 where the fifth bit (bit i of `bits` for lane i) is clear.
+inline IVec fifth_bits(IVec low, uint32_t bits) {
+  return _mm512_mask_sub_epi16(low, _cvtu32_mask32(~bits), low, _mm512_set1_epi16(16));
+}
 #define CHARIOTEER_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 struct DotSums {  // vpdpwssd: the multiply and the add in one instruction
   CHARIOTEER_VNNI_TARGET static IVec add(IVec sum, IVec w, int32_t x) {
@@ -94,6 +107,11 @@ struct MaddSums {  // as the AVX-512 one
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
+inline IVec fifth_bits(IVec low, uint32_t bits) {  // as the AVX-512 one, each lane testing its own bit
+  const IVec lane = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+  const IVec set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane), lane);
+  return _mm256_sub_epi16(_mm256_add_epi16(low, _mm256_and_si256(set, _mm256_set1_epi16(16))), _mm256_set1_epi16(16));
+}
 #endif
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
 template <Form F>
@@ -121,10 +139,20 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
       if constexpr (kNibbles<F>) {
-        const uint8_t* q = rec + 2 * scales;
+        const uint8_t* bits = rec + scales;  // Q5_0's fifth bits
+        const uint8_t* q = rec + (kOffset<F> ? 2 * scales : F == Form::kQ50 ? scales + kFifthBits : scales);
         for (int64_t u = 0; u < kBlock / 4; ++u)
           for (int v = 0; v < kVecs; ++v) {
-            const IVec w = widen_u8(q + 2 * kCols * u + kStep * v), a = low_nibbles(w), c = high_nibbles(w);
+            const IVec w = widen_u8(q + 2 * kCols * u + kStep * v);
+            IVec a = low_nibbles(w), c = high_nibbles(w);
+            if constexpr (F == Form::kQ50) {  // the word of the vector's half; AVX2's 8 columns: 16 of its bits
+              const int64_t half = kPairLanes * v / 16, shift = kPairLanes * v % 16 * 2;
+              uint32_t low_bits, high_bits;
+              std::memcpy(&low_bits, bits + 4 * (4 * u + 2 * half), 4);
+              std::memcpy(&high_bits, bits + 4 * (4 * u + 2 * half + 1), 4);
+              a = fifth_bits(a, low_bits >> shift);
+              c = fifth_bits(c, high_bits >> shift);
+            }
             for (int r = 0; r < R; ++r)
               sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
           }
@@ -141,7 +169,7 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
         const Vec d = load_scales<F>(rec + part * scales + kScaleBytes<F> * kPairLanes * v);
         for (int r = 0; r < R; ++r)
           total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
-        if constexpr (kNibbles<F>) {
+        if constexpr (kOffset<F>) {
           const Vec m = load_scales<F>(rec + scales + kScaleBytes<F> * kPairLanes * v);
           for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
         }
@@ -189,11 +217,13 @@ const RowKernels& row_kernels(int64_t record, bool vnni) {
 #if defined(__AVX512F__)
   if (vnni) {
     return record == kQ41Record ? kRowsVnni<Form::kQ41> : record == kQ80Record ? kRowsVnni<Form::kQ80>
-           : record == kQ41F32Record ? kRowsVnni<Form::kQ41F32> : kRowsVnni<Form::kQ80Halves>;
+           : record == kQ41F32Record ? kRowsVnni<Form::kQ41F32>
+           : record == kQ80HalvesRecord ? kRowsVnni<Form::kQ80Halves> : kRowsVnni<Form::kQ50>;
   }
 #endif
   return record == kQ41Record ? kRows<Form::kQ41> : record == kQ80Record ? kRows<Form::kQ80>
-         : record == kQ41F32Record ? kRows<Form::kQ41F32> : kRows<Form::kQ80Halves>;
+         : record == kQ41F32Record ? kRows<Form::kQ41F32> : record == kQ80HalvesRecord ? kRows<Form::kQ80Halves>
+         : kRows<Form::kQ50>;
 }
 
 }  // namespace
@@ -203,7 +233,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
               (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record || packed.size(2) == kQ41F32Record ||
-               packed.size(2) == kQ80HalvesRecord),
+               packed.size(2) == kQ80HalvesRecord || packed.size(2) == kQ50Record),
               "gguf_linear: the weight must come from GGUFWeight.pack ([N/32, K/32, record] uint8)");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
