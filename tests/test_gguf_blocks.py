@@ -46,6 +46,18 @@ def test_blocks_refuse_what_they_cannot_hold():
     assert concat([q40, q41]) is None  # 4-bit both, but Q4_0 runs with fp32 scales
 
 
+@needs_kernel
+def test_q5_0_runs_as_int8_with_its_switch_off(monkeypatch):
+    """CHARIOTEER_GGUF_5BIT=0 packs Q5_0 as int8 records: the same values, so the same sums and bits."""
+    w = _random_blocks("Q5_0", 40, 3, np.random.default_rng(2))
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((3, w.cols)).astype(np.float32))
+    five = w.pack()
+    monkeypatch.setenv("CHARIOTEER_GGUF_5BIT", "0")
+    eight = w.pack()
+    assert five.shape[-1] == 704 and eight.shape[-1] == 1088
+    assert torch.equal(cpu_kernels.gguf_linear(x, five, 40), cpu_kernels.gguf_linear(x, eight, 40))
+
+
 def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> GGUFWeight:
     """`blocks` of the file's blocks per row (256 values each for Q4_K, else 32), random but for finite scales."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)

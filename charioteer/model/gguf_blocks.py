@@ -8,7 +8,7 @@ values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a
 - Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, then q as Q4_1's; w = d * (q - 8): run as d and m = -8 d in fp32.
 - Q5_0 (22 bytes): fp16 d, 32 fifth bits (a uint32, bit j for value j), then q's low 4 bits as Q4_1's;
-  w = d * (q - 16): run as 5-bit q - 16.
+  w = d * (q - 16): run as 5-bit q - 16 (as int8 with CHARIOTEER_GGUF_5BIT=0).
 - Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
   bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
   value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from charioteer.runtime import switched_on
 
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
@@ -184,7 +186,8 @@ class GGUFWeight(BlockWeight):
 
     @property
     def form(self) -> Form:
-        return FORMS[self.kind]
+        bits, *rest = FORMS[self.kind]
+        return (8 if bits == 5 and not switched_on("CHARIOTEER_GGUF_5BIT") else bits, *rest)
 
     def fields(self) -> Fields:
         raw = self.data.numpy().reshape(self.rows, -1, BLOCK_BYTES[self.kind])
