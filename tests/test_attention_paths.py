@@ -185,7 +185,7 @@ def _batch(num_prefills=0, num_decodes=0, lengths=True, runs=None) -> llama.Forw
     return llama.ForwardInput(
         token_ids=none, positions=none, slot_mapping=none,
         prefills=[llama.PrefillSpan(0, 1, 0, None, None)] * num_prefills, num_decodes=num_decodes,
-        decode_slots=None, decode_mask=None, logits_rows=none, decode_runs=runs,
+        decode_slots=None, logits_rows=none, decode_runs=runs,
         decode_lengths=torch.ones(num_decodes, dtype=torch.long) if lengths else None)
 
 

@@ -92,7 +92,6 @@ def _charioteer_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
         prefills=[PrefillSpan(offset=0, num_tokens=n, start_pos=0, context_slots=None, mask=None)],
         num_decodes=0,
         decode_slots=None,
-        decode_mask=None,
         logits_rows=torch.arange(n),
     )
     return model.forward(inp, kv)

@@ -168,14 +168,13 @@ class ModelRunner:
             rows_per_entry.append(list(range(len(flat_rows), len(flat_rows) + len(rows))))
             flat_rows.extend(rows)
             offset += entry.num_tokens
-        decode_slots = decode_mask = lens = decode_runs = None
+        decode_slots = lens = decode_runs = None
         if batch.decodes:
             token_ids += [e.request.token_id_at(e.start) for e in batch.decodes]
-            positions.append(np.fromiter((e.start for e in batch.decodes), np.int64, len(batch.decodes)))
             context, ends, decode_runs = self._decode_contexts(batch.decodes)
+            positions.append(ends - 1)  # a decode runs one token, its context's last
             slots.append(context[np.arange(len(ends)), ends - 1])
             decode_slots, lens = torch.from_numpy(context), torch.from_numpy(ends)
-            decode_mask = torch.from_numpy(np.arange(context.shape[1])[None, :] < ends[:, None])[:, None, None, :]
             for entry in batch.decodes:
                 rows_per_entry.append([len(flat_rows)] if entry.samples else [])
                 if entry.samples:
@@ -189,7 +188,6 @@ class ModelRunner:
             prefills=[self._to_device(p) for p in prefills],
             num_decodes=len(batch.decodes),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev),
             logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
             decode_runs=decode_runs,
             decode_lengths=lens,

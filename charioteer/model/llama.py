@@ -11,6 +11,7 @@ once per batch (its docstring has the table).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -46,11 +47,19 @@ class ForwardInput:
     prefills: list[PrefillSpan]
     num_decodes: int  # decode tokens are the last rows of the batch
     decode_slots: torch.Tensor | None  # [D, max_context] padded with the cache's zero slot
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_context]
     logits_rows: torch.Tensor  # rows whose logits are wanted, in increasing order
     # (first slot, context length) of each decode, when every decode's slots are one contiguous run
     decode_runs: list[tuple[int, int]] | None = None
-    decode_lengths: torch.Tensor | None = None  # [D] context length of each decode (int64, CPU)
+    decode_lengths: torch.Tensor | None = None  # [D] context length of each decode (int64, CPU), with decode_slots
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[D, 1, 1, max_context]: which of decode_slots' columns are context, for SDPA. Made where a path
+        asks (once a batch): the decode kernels read the lengths, and a step's every op costs when cold."""
+        if self.decode_slots is None:
+            return None
+        lengths = self.decode_lengths.to(self.decode_slots.device)
+        return (torch.arange(self.decode_slots.shape[1], device=lengths.device) < lengths[:, None])[:, None, None, :]
 
 
 class KVCache:
@@ -857,11 +866,8 @@ class LlamaModel:
 
     def _query_contexts(self, inp: ForwardInput, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch-invariant mode's attention plan: every query row's context slots and length."""
-        lengths = inp.decode_lengths
-        if inp.num_decodes and lengths is None:
-            lengths = inp.decode_mask.view(inp.num_decodes, -1).sum(-1)
-        return invariant.query_contexts(inp.prefills, inp.slot_mapping, inp.decode_slots, lengths, inp.num_decodes,
-                                        kv.pad_slot)
+        return invariant.query_contexts(inp.prefills, inp.slot_mapping, inp.decode_slots, inp.decode_lengths,
+                                        inp.num_decodes, kv.pad_slot)
 
     def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput, decode_path: str | None,
                    contexts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -46,7 +46,7 @@ def _input_to(inp, device: torch.device):
         inp, token_ids=mv(inp.token_ids), positions=mv(inp.positions), slot_mapping=mv(inp.slot_mapping),
         prefills=[PrefillSpan(p.offset, p.num_tokens, p.start_pos, mv(p.context_slots), mv(p.mask), p.context_start)
                   for p in inp.prefills],
-        decode_slots=mv(inp.decode_slots), decode_mask=mv(inp.decode_mask), logits_rows=mv(inp.logits_rows),
+        decode_slots=mv(inp.decode_slots), logits_rows=mv(inp.logits_rows),
     )
 
 
