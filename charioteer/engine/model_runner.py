@@ -208,9 +208,12 @@ class ModelRunner:
         widest = max(len(t) for t in tables)
         table = np.array([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=np.int64)
         pos = np.arange(ends.max())
-        context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing may give other strides
-        context[pos[None, :] >= ends[:, None]] = self.pad_slot
         starts = run_starts(table, ends, bs)  # one scattered context: the batched gather serves them all
+        if starts is None:
+            context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing: other strides
+        else:  # every context one run of slots
+            context = starts[:, None] + pos
+        context[pos[None, :] >= ends[:, None]] = self.pad_slot
         runs = None if starts is None else list(zip(starts.tolist(), ends.tolist()))
         return context, ends, runs
 
