@@ -27,7 +27,7 @@ def switched_on(name: str) -> bool:
 
 
 def switched_off_reason(name: str) -> str | None:
-    """"disabled by `name`=0" where that switch is off, else None."""
+    """The reason "disabled by NAME=0" where the switch `name` is off, else None."""
     return None if switched_on(name) else f"disabled by {name}=0"
 
 

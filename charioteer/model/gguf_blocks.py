@@ -16,10 +16,10 @@ values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a
   d; value i has w = d sc_s (q - 32) for s = i / 16: run as int8 q - 32 with an fp32 d sc_s per 16 values.
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
 `dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight (the
-file: 0.56), Q6_K 1.13 (0.82); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default model's file holds its linear layers in
-Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576
-columns are no multiple of 256), with Q4_K and Q6_K down projections. Other kinds (Q5_1, Q5_K, ...) run
-dequantized, as the model's dtype does.
+file: 0.56), Q6_K 1.13 (0.82); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The
+default model's file holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's
+Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down
+projections. Other kinds (Q5_1, Q5_K, ...) run dequantized, as the model's dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
 BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
-FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1), "Q5_0": (5, False, torch.float16, 1),
-         "Q8_0": (8, False, torch.float16, 1), "Q4_K": (4, True, torch.float32, 1),
-         "Q6_K": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
+FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1),
+         "Q5_0": (5, False, torch.float16, 1), "Q8_0": (8, False, torch.float16, 1),
+         "Q4_K": (4, True, torch.float32, 1), "Q6_K": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
 PANEL = 32  # output columns per packed panel
 
 Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]

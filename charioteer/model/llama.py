@@ -666,7 +666,8 @@ class LlamaModel:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         if quantization == "gguf" and not gguf_blocks:
             raise ValueError(f"quantization='gguf' runs a GGUF file's own {', '.join(KINDS)} blocks, and this model "
-                             "has none: load it from a .gguf file (the default model is one), or use quantization='int8'")
+                             "has none: load it from a .gguf file (the default model is one), or use "
+                             "quantization='int8'")
         self._gguf_blocks = gguf_blocks if quantization == "gguf" else {}
         self.config = config
         self.device = torch.device(device)

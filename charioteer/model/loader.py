@@ -174,8 +174,8 @@ def load_gguf(path: str) -> LoadedModel:
 
 
 def _file_blocks(tensor, heads: int | None) -> GGUFWeight:
-    """A tensor's [rows, row bytes] blocks (a kind of gguf_blocks.KINDS), left in the file's read-only mapping (no copy, and no
-    memory until --quantization gguf packs them), except where `heads` reorders the rows (Q and K)."""
+    """A tensor's [rows, row bytes] blocks (a kind of gguf_blocks.KINDS), left in the file's read-only mapping (no
+    copy, and no memory until --quantization gguf packs them), except where `heads` reorders the rows (Q and K)."""
     raw = tensor.data if heads is None else _unpermute_rope_rows(tensor.data, heads)
     with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory; nothing writes it
         warnings.simplefilter("ignore", UserWarning)
