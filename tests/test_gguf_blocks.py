@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from charioteer import LLM, SamplingParams
 from charioteer.model import cpu_kernels
-from charioteer.model.gguf_blocks import BLOCK, BLOCK_BYTES, KINDS, FusedWeight, GGUFWeight, concat, per_value
+from charioteer.model.gguf_blocks import (BLOCK, BLOCK_BYTES, KINDS, FusedWeight, GGUFWeight, concat,
+                                          five_bit_records, per_value)
 from charioteer.model.llama import GGUFLinear, Linear
 
 GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason()
@@ -47,15 +48,22 @@ def test_blocks_refuse_what_they_cannot_hold():
 
 
 @needs_kernel
-def test_q5_0_runs_as_int8_with_its_switch_off(monkeypatch):
-    """CHARIOTEER_GGUF_5BIT=0 packs Q5_0 as int8 records: the same values, so the same sums and bits."""
+@each_isa
+def test_q5_0_in_5_bit_or_int8_records_gives_the_same_bits(isa, monkeypatch):
+    """Q5_0 packs into its own 5-bit records where the AVX-512 build runs, else into int8 ones (the AVX2 build
+    emulates the mask); CHARIOTEER_GGUF_5BIT forces either. The same values, so the same sums and bits."""
     w = _random_blocks("Q5_0", 40, 3, np.random.default_rng(2))
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((3, w.cols)).astype(np.float32))
-    five = w.pack()
-    monkeypatch.setenv("CHARIOTEER_GGUF_5BIT", "0")
-    eight = w.pack()
+    five, eight = w.pack(five_bits=True), w.pack(five_bits=False)
     assert five.shape[-1] == 704 and eight.shape[-1] == 1088
-    assert torch.equal(cpu_kernels.gguf_linear(x, five, 40), cpu_kernels.gguf_linear(x, eight, 40))
+    assert torch.equal(cpu_kernels.gguf_linear(x, five, 40, isa=isa), cpu_kernels.gguf_linear(x, eight, 40, isa=isa))
+    assert five_bit_records() == (cpu_kernels.chosen_isa() == "avx512")
+    for setting, packed in (("1", five), ("0", eight)):
+        monkeypatch.setenv("CHARIOTEER_GGUF_5BIT", setting)
+        assert torch.equal(w.pack(), packed)
+    monkeypatch.setenv("CHARIOTEER_GGUF_5BIT", "yes")
+    with pytest.raises(ValueError, match="CHARIOTEER_GGUF_5BIT=yes is none of 0, 1, auto"):
+        w.pack()
 
 
 def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> GGUFWeight:
@@ -116,7 +124,7 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     x = torch.from_numpy(rng.standard_normal((rows, w.cols)).astype(np.float32))
     if outlier:
         x[0, 0] = 1000.0
-    y = cpu_kernels.gguf_linear(x, w.pack(), n, isa=isa)
+    y = cpu_kernels.gguf_linear(x, w.pack(five_bits=True), n, isa=isa)  # Q5_0's own records in either build
     assert y.shape == (rows, n) and y.dtype == torch.float32
     for other in cpu_kernels.ISAS:
         if other != isa and cpu_kernels.load_reason(other) is None:
@@ -274,7 +282,8 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model):
                for i, layer in enumerate(model.linears) for name, lin in layer.items())
     assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
     records = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
-    assert records == {1088, 704, 768, 1280}  # int8 q; 5-bit q; nibbles with fp32 scales; int8 q, a d per 16
+    five = {704} if five_bit_records() else set()  # the Q5_0 gate/up
+    assert records == {1088, 768, 1280} | five  # int8 q; nibbles with fp32 scales; int8 q with a d per 16
     fp32 = LLM(loaded, enable_prefix_caching=False)
     prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(temperature=0, max_tokens=12)

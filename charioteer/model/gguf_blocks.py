@@ -8,7 +8,7 @@ values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a
 - Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, then q as Q4_1's; w = d * (q - 8): run as d and m = -8 d in fp32.
 - Q5_0 (22 bytes): fp16 d, 32 fifth bits (a uint32, bit j for value j), then q's low 4 bits as Q4_1's;
-  w = d * (q - 16): run as 5-bit q - 16 (as int8 with CHARIOTEER_GGUF_5BIT=0).
+  w = d * (q - 16): run as 5-bit q - 16 where the AVX-512 build runs (five_bit_records), else as int8.
 - Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
   bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
   value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
@@ -24,12 +24,11 @@ projections. Other kinds (Q5_1, Q5_K, ...) run dequantized, as the model's dtype
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from charioteer.runtime import switched_on
 
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
@@ -102,6 +101,21 @@ def _q6_k(raw: np.ndarray) -> tuple:
 _FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
+def five_bit_records() -> bool:
+    """Whether Q5_0 packs into its own 5-bit records: where the AVX-512 build runs, which applies the fifth bits
+    with one masked subtract a vector (1.47x the int8 records from memory at one row on a Zen 4); the AVX2 build
+    compares each lane's bit instead (0.85x there), so it reads int8 records. CHARIOTEER_GGUF_5BIT=1 or 0 forces
+    either (both builds run both; the same bits)."""
+    setting = os.environ.get("CHARIOTEER_GGUF_5BIT", "auto").strip().lower()
+    if setting not in ("0", "1", "auto"):
+        raise ValueError(f"CHARIOTEER_GGUF_5BIT={setting} is none of 0, 1, auto")
+    if setting != "auto":
+        return setting == "1"
+    from charioteer.model import cpu_kernels
+
+    return cpu_kernels.chosen_isa() == "avx512"
+
+
 def per_value(d: torch.Tensor) -> torch.Tensor:
     """Fields' d [rows, blocks] or [rows, blocks, sets] as each of the blocks' 32 values' scale [rows, blocks, 32]."""
     d = d.reshape(*d.shape[:2], -1, 1)
@@ -128,11 +142,12 @@ class BlockWeight:
             w = w + m.float()[..., None]
         return w.reshape(self.rows, -1)
 
-    def pack(self) -> torch.Tensor:
+    def pack(self, five_bits: bool | None = None) -> torch.Tensor:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
         columns (rows past the last are zero) and k block, the columns' d (and m; or 5-bit q's fifth bits),
         then their q in 16-column halves, two k values (int8) or two nibble pairs (4- and 5-bit) side by side
-        per column (kernels/gguf_gemm.cpp)."""
+        per column (kernels/gguf_gemm.cpp). `five_bits`: 5-bit q in their own records or as int8 (None:
+        five_bit_records())."""
         pad = -self.rows % PANEL
         d, m, q = (None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields())
         panels, blocks = q.shape[0] // PANEL, q.shape[1]
@@ -144,6 +159,8 @@ class BlockWeight:
         scales = [columns(s.reshape(*s.shape[:2], -1)).transpose(2, 3).contiguous().view(torch.uint8)
                   .reshape(panels, blocks, -1) for s in (d, m) if s is not None]
         bits = self.form[0]
+        if bits == 5 and not (five_bit_records() if five_bits is None else five_bits):
+            bits = 8
         q = columns((q + 16 if bits == 5 else q).view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
         if bits == 8:  # k = 2u + e -> [u][half][column][e]
             values = q.reshape(panels, blocks, 2, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
@@ -186,8 +203,7 @@ class GGUFWeight(BlockWeight):
 
     @property
     def form(self) -> Form:
-        bits, *rest = FORMS[self.kind]
-        return (8 if bits == 5 and not switched_on("CHARIOTEER_GGUF_5BIT") else bits, *rest)
+        return FORMS[self.kind]
 
     def fields(self) -> Fields:
         raw = self.data.numpy().reshape(self.rows, -1, BLOCK_BYTES[self.kind])
