@@ -314,7 +314,7 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     column scales (QKV, O, gate/up, down), layer after layer, and a batch of `native_rows` rows or
     more (0: none) runs `amx_linear_int8` on the panels with `amx_tiles`, else
     `avx512_bf16_linear_int8`; smaller ones run `vnni_linear_int8` with `vnni`, else the panel kernel. GGUF
-    blocks (GGUFWeight.pack's uint8 panels) run `gguf_linear`, with `vnni` its VNNI sums.
+    blocks (BlockWeight.pack's uint8 panels) run `gguf_linear`, with `vnni` its VNNI sums.
     With bf16 weights, `plain_weights` may hold the four unpacked in the
     same order: a batch of `native_rows` rows or more then rounds its input to bf16 for torch's bf16
     GEMM instead of the panels; smaller ones run the panels, or where the weights were packed by

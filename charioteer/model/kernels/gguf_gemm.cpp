@@ -212,18 +212,30 @@ template <Form F>
 constexpr RowKernels kRowsVnni = by_rows_vnni<F>(std::make_integer_sequence<int, kMaxRows>());
 #endif
 
-// The row kernels of a record's form, by the record's size.
-const RowKernels& row_kernels(int64_t record, bool vnni) {
+// What gguf_linear needs of a form, found by its record's size: whether it has an offset m (then x's block
+// sums are needed) and its row kernels (the AVX-512 build's also with vpdpwssd).
+struct FormKernels {
+  int64_t record;
+  bool offset;
+  const RowKernels* rows;
+  const RowKernels* rows_vnni;  // nullptr in the AVX2 build
+};
+template <Form F>
+constexpr FormKernels form_kernels() {
 #if defined(__AVX512F__)
-  if (vnni) {
-    return record == kQ41Record ? kRowsVnni<Form::kQ41> : record == kQ80Record ? kRowsVnni<Form::kQ80>
-           : record == kQ41F32Record ? kRowsVnni<Form::kQ41F32>
-           : record == kQ80HalvesRecord ? kRowsVnni<Form::kQ80Halves> : kRowsVnni<Form::kQ50>;
-  }
+  return {kRecord<F>, kOffset<F>, &kRows<F>, &kRowsVnni<F>};
+#else
+  return {kRecord<F>, kOffset<F>, &kRows<F>, nullptr};
 #endif
-  return record == kQ41Record ? kRows<Form::kQ41> : record == kQ80Record ? kRows<Form::kQ80>
-         : record == kQ41F32Record ? kRows<Form::kQ41F32> : record == kQ80HalvesRecord ? kRows<Form::kQ80Halves>
-         : kRows<Form::kQ50>;
+}
+constexpr std::array<FormKernels, 5> kForms = {form_kernels<Form::kQ41>(), form_kernels<Form::kQ80>(),
+                                               form_kernels<Form::kQ41F32>(), form_kernels<Form::kQ80Halves>(),
+                                               form_kernels<Form::kQ50>()};
+
+const FormKernels* form_of(int64_t record) {
+  for (const FormKernels& form : kForms)
+    if (form.record == record) return &form;
+  return nullptr;
 }
 
 }  // namespace
@@ -231,10 +243,9 @@ const RowKernels& row_kernels(int64_t record, bool vnni) {
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
-              (packed.size(2) == kQ41Record || packed.size(2) == kQ80Record || packed.size(2) == kQ41F32Record ||
-               packed.size(2) == kQ80HalvesRecord || packed.size(2) == kQ50Record),
-              "gguf_linear: the weight must come from GGUFWeight.pack ([N/32, K/32, record] uint8)");
+  const FormKernels* form = packed.dim() == 3 ? form_of(packed.size(2)) : nullptr;
+  TORCH_CHECK(form != nullptr && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
+              "gguf_linear: the weight must come from BlockWeight.pack ([N/32, K/32, record] uint8)");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
   TORCH_CHECK(0 < n && n <= packed.size(0) * kCols && n > (packed.size(0) - 1) * kCols,
@@ -244,7 +255,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool q41 = packed.size(2) == kQ41Record || packed.size(2) == kQ41F32Record;  // an m: x's block sums
+  const bool q41 = form->offset;  // an m: x's block sums are needed
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
@@ -256,7 +267,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* xs = xscale.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
-  const RowKernels& kernel = row_kernels(packed.size(2), vnni);
+  const RowKernels& kernel = vnni ? *form->rows_vnni : *form->rows;  // vnni: the avx512 build, checked above
   float* out = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
