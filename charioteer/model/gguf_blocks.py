@@ -2,24 +2,38 @@
 
 GGUF stores a weight row by row in blocks. These kinds run here without an fp32 copy, each as blocks of 32
 values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a scale d and an offset m
-(w = d q + m), 5-bit or 8-bit signed q with a scale d (w = d q), d and m in fp16 or fp32 as the kind needs:
+(w = d q + m), 5-bit q, signed with a scale d (w = d q) or unsigned with d and m, or 8-bit signed q with a
+scale d, d and m in fp16 or fp32 as the kind needs:
 - Q4_1 (20 bytes a block of 32: 0.625 bytes a weight): fp16 d and m, then 16 bytes of 4-bit q, value j in
   the low nibble of byte j and value 16 + j in its high nibble; w = d * q + m.
 - Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, then q as Q4_1's; w = d * (q - 8): run as d and m = -8 d in fp32.
 - Q5_0 (22 bytes): fp16 d, 32 fifth bits (a uint32, bit j for value j), then q's low 4 bits as Q4_1's;
   w = d * (q - 16): run as 5-bit q - 16 where the AVX-512 build runs (five_bit_records), else as int8.
+- Q5_1 (24 bytes): fp16 d and m, then the fifth bits and low bits as Q5_0's; w = d * q + m: run as 5-bit q
+  with d and m in fp32 (a record of fp16 d and m would be the size of the 4-bit fp32 one).
+- IQ4_NL (18 bytes): fp16 d, then 4-bit indices as Q4_1's q into a table of 16 int8 values; w = d * table[q]:
+  run as int8 table[q] with d.
 - Q4_K (144 bytes a super-block of 256): fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12
   bytes, then 128 bytes of 4-bit q (values 64g + j and 64g + 32 + j in byte 32g + j's low and high nibble);
   value i has w = d sc_s q - dmin mn_s for its sub-block s = i / 32: run as d sc_s and m = -dmin mn_s in fp32.
+- Q5_K (176 bytes a super-block of 256): Q4_K's d, dmin and scales, 32 bytes of fifth bits (bit g of byte j
+  for value 32g + j), then the low bits as Q4_K's q; w = d sc_s q - dmin mn_s: run as Q5_1.
 - Q6_K (210 bytes a super-block of 256): 128 bytes of q's low 4 bits, 64 of its high 2, 16 int8 scales sc, fp16
   d; value i has w = d sc_s (q - 32) for s = i / 16: run as int8 q - 32 with an fp32 d sc_s per 16 values.
-Each form's values are exactly the file's (the products d sc_s, dmin mn_s and 8 d are exact in fp32), so
-`dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight (the
-file: 0.56), Q6_K 1.13 (0.82); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The
-default model's file holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's
-Q4_K_M of it is mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down
-projections. Other kinds (Q5_1, Q5_K, ...) run dequantized, as the model's dtype does.
+- Q3_K (110 bytes a super-block of 256): 32 bytes of high bits, 64 of q's low 2 bits, sixteen 6-bit scales sc in
+  12 bytes, fp16 d; w = d (sc_s - 32) (q - 4) for s = i / 16, q's high bit worth 4: run as Q6_K.
+- IQ4_XS (136 bytes a super-block of 256): fp16 d, eight 6-bit scales ls (the high 2 bits of all in 2 bytes, the
+  low 4 in the next 4), then IQ4_NL's indices per 32 values; w = d (ls_s - 32) table[q]: run as Q6_K, with
+  the two d of a block of 32 equal.
+Each form's values are exactly the file's (the products d sc_s, dmin mn_s, 8 d and d (ls - 32) are exact in
+fp32), so `dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight
+(the file: 0.56), Q5_1 and Q5_K 0.88 (0.75, 0.69), Q6_K 1.13 (0.82), Q3_K 1.13 (0.43), IQ4_NL 1.06 (0.56), IQ4_XS
+1.25 (0.53); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default model's file
+holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is
+mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down projections, its Q5_K_M
+mostly Q5_1, its Q3_K_M mostly IQ4_NL. Other kinds (Q2_K, the other IQ kinds) run dequantized, as the model's
+dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -31,12 +45,18 @@ import numpy as np
 import torch
 
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes a file block
-BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18, "Q3_K": 110, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # bytes a file block
+BLOCK_VALUES = {kind: 256 if kind.endswith("_K") or kind == "IQ4_XS" else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
 FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1),
-         "Q5_0": (5, False, torch.float16, 1), "Q8_0": (8, False, torch.float16, 1),
-         "Q4_K": (4, True, torch.float32, 1), "Q6_K": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
+         "Q5_0": (5, False, torch.float16, 1), "Q5_1": (5, True, torch.float32, 1),
+         "Q8_0": (8, False, torch.float16, 1), "IQ4_NL": (8, False, torch.float16, 1),
+         "Q3_K": (8, False, torch.float32, 2), "Q4_K": (4, True, torch.float32, 1),
+         "Q5_K": (5, True, torch.float32, 1), "Q6_K": (8, False, torch.float32, 2),
+         "IQ4_XS": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
+MIXED_FORM = (8, True, torch.float32, 2)  # int8 q, a d per 16 and an m per 32 values: any kind's, exactly
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 PANEL = 32  # output columns per packed panel
 
 Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
@@ -77,17 +97,39 @@ def _q4_0(raw: np.ndarray) -> tuple:
     return d, -8 * d, _nibbles(raw[..., 2:], 16)
 
 
+def _with_fifth_bits(low: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """q's low 4 bits [..., 32] and its fifth bits (4 bytes [..., 4]: a uint32, bit j for value j) -> q 0-31."""
+    high = words.copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
+    return low | (high.astype(np.uint8) << 4)
+
+
 def _q5_0(raw: np.ndarray) -> tuple:
-    high = raw[..., 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
-    return _fp16(raw, 0), None, (_nibbles(raw[..., 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+    return _fp16(raw, 0), None, _with_fifth_bits(_nibbles(raw[..., 6:], 16), raw[..., 2:6]).astype(np.int8) - 16
+
+
+def _q5_1(raw: np.ndarray) -> tuple:
+    q = _with_fifth_bits(_nibbles(raw[..., 8:], 16), raw[..., 4:8])
+    return _fp16(raw, 0).astype(np.float32), _fp16(raw, 2).astype(np.float32), q
+
+
+def _iq4_nl(raw: np.ndarray) -> tuple:
+    return _fp16(raw, 0), None, IQ4_VALUES[_nibbles(raw[..., 2:], 16)]
+
+
+def _k_scales_and_mins(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per sub-block d sc_s and m = -dmin mn_s (exact fp32 products) from their first 16 bytes."""
+    scales, mins = _q4_k_scales(raw[..., 4:16])
+    d = _fp16(raw, 0).astype(np.float32)[..., None] * scales.astype(np.float32)
+    return d, -(_fp16(raw, 2).astype(np.float32)[..., None] * mins.astype(np.float32))
 
 
 def _q4_k(raw: np.ndarray) -> tuple:
-    """Per super-block d and dmin, then its eight sub-blocks' scales and mins (exact fp32 products)."""
-    scales, mins = _q4_k_scales(raw[..., 4:16])
-    d = _fp16(raw, 0).astype(np.float32)[..., None] * scales.astype(np.float32)
-    m = -(_fp16(raw, 2).astype(np.float32)[..., None] * mins.astype(np.float32))
-    return d, m, _nibbles(raw[..., 16:], 32)
+    return *_k_scales_and_mins(raw), _nibbles(raw[..., 16:], 32)
+
+
+def _q5_k(raw: np.ndarray) -> tuple:
+    high = raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None] & 1  # [rows, blocks, bit g, byte j]
+    return *_k_scales_and_mins(raw), _nibbles(raw[..., 48:], 32) | (high.reshape(*raw.shape[:2], -1) << 4)
 
 
 def _q6_k(raw: np.ndarray) -> tuple:
@@ -98,14 +140,41 @@ def _q6_k(raw: np.ndarray) -> tuple:
     return _fp16(raw, 208).astype(np.float32)[..., None] * raw[..., 192:208].view(np.int8), None, q
 
 
-_FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+def _q3_k(raw: np.ndarray) -> tuple:
+    """q's low bit pairs: bits 2s-2s+1 of byte 32g + j for value 128g + 32s + j; its high bit (worth 4):
+    bit i of byte j for value 32i + j. Scale s's low 4 bits in byte s % 8's nibble s / 8, its top 2 bits in byte
+    8 + s % 4's pair s / 4; sc - 32 scales 16 values."""
+    shape = raw.shape[:2]
+    low = raw[..., 32:96].reshape(*shape, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None] & 3
+    high = raw[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None] & 1
+    q = low.reshape(*shape, -1).astype(np.int8) - 4 * (1 - high.reshape(*shape, -1).astype(np.int8))
+    packed = raw[..., 96:108]
+    sc_low = packed[..., None, :8] >> np.array([0, 4], dtype=np.uint8)[:, None] & 15  # [nibble, byte]
+    sc_high = packed[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None] & 3  # [pair, byte]
+    sc = (sc_low.reshape(*shape, 16) | sc_high.reshape(*shape, 16) << 4).astype(np.float32) - 32
+    return _fp16(raw, 108).astype(np.float32)[..., None] * sc, None, q
+
+
+def _iq4_xs(raw: np.ndarray) -> tuple:
+    """Sub-block s's 6-bit ls: its low 4 bits in nibble s % 2 of byte 4 + s / 2, its top 2 in bits 2s-2s+1 of the
+    uint16 at byte 2; then IQ4_NL's indices, 16 bytes a sub-block."""
+    shape = raw.shape[:2]
+    ls_low = raw[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8) & 15  # [byte, nibble]
+    ls_high = raw[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16) & 3
+    ls = (ls_low.reshape(*shape, 8) | (ls_high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    d = _fp16(raw, 0).astype(np.float32)[..., None] * ls
+    return np.repeat(d, 2, axis=-1), None, IQ4_VALUES[_nibbles(raw[..., 8:], 16)]
+
+
+_FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl, "Q3_K": _q3_k,
+           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs}
 
 
 def five_bit_records() -> bool:
-    """Whether Q5_0 packs into its own 5-bit records: where the AVX-512 build runs, which applies the fifth bits
-    with one masked subtract a vector (1.47x the int8 records from memory at one row on a Zen 4); the AVX2 build
-    compares each lane's bit instead (0.85x there), so it reads int8 records. CHARIOTEER_GGUF_5BIT=1 or 0 forces
-    either (both builds run both; the same bits)."""
+    """Whether Q5_0 (signed 5-bit q, no offset) packs into its own 5-bit records: where the AVX-512 build runs,
+    which applies the fifth bits with one masked subtract a vector (1.47x the int8 records from memory at one row
+    on a Zen 4); the AVX2 build compares each lane's bit instead (0.85x there), so it reads int8 records.
+    CHARIOTEER_GGUF_5BIT=1 or 0 forces either (both builds run both; the same bits)."""
     setting = os.environ.get("CHARIOTEER_GGUF_5BIT", "auto").strip().lower()
     if setting not in ("0", "1", "auto"):
         raise ValueError(f"CHARIOTEER_GGUF_5BIT={setting} is none of 0, 1, auto")
@@ -146,8 +215,8 @@ class BlockWeight:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
         columns (rows past the last are zero) and k block, the columns' d (and m; or 5-bit q's fifth bits),
         then their q in 16-column halves, two k values (int8) or two nibble pairs (4- and 5-bit) side by side
-        per column (kernels/gguf_gemm.cpp). `five_bits`: 5-bit q in their own records or as int8 (None:
-        five_bit_records())."""
+        per column (kernels/gguf_gemm.cpp). `five_bits`: signed 5-bit q (Q5_0's) in their own records or as int8
+        (None: five_bit_records()); unsigned ones, with an m, always in their own."""
         pad = -self.rows % PANEL
         d, m, q = (None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields())
         panels, blocks = q.shape[0] // PANEL, q.shape[1]
@@ -158,10 +227,11 @@ class BlockWeight:
         # per panel and block: each set of d (one per 16 k for two) or m, the 32 columns' side by side
         scales = [columns(s.reshape(*s.shape[:2], -1)).transpose(2, 3).contiguous().view(torch.uint8)
                   .reshape(panels, blocks, -1) for s in (d, m) if s is not None]
-        bits = self.form[0]
-        if bits == 5 and not (five_bit_records() if five_bits is None else five_bits):
+        bits, offset = self.form[:2]
+        if bits == 5 and not offset and not (five_bit_records() if five_bits is None else five_bits):
             bits = 8
-        q = columns((q + 16 if bits == 5 else q).view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
+        signed_five = bits == 5 and not offset  # q - 16 stored as q, the kernel subtracting 16 again
+        q = columns((q + 16 if signed_five else q).view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
         if bits == 8:  # k = 2u + e -> [u][half][column][e]
             values = q.reshape(panels, blocks, 2, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
         else:  # k = 4u + 2s + e, nibble s -> [u][half][column][e]
@@ -214,9 +284,18 @@ class GGUFWeight(BlockWeight):
         return torch.from_numpy(d), m, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
 
 
+def _in_mixed_form(fields: Fields) -> Fields:
+    """A weight's fields as MIXED_FORM's: d in fp32 twice a block where it has one set, m 0 where it has none."""
+    d, m, q = fields
+    d = d.float() if d.dim() == 3 else d.float()[..., None].expand(*d.shape, 2)
+    return d, d.new_zeros(d.shape[:2]) if m is None else m.float(), q.to(torch.int8)  # q of every kind fits int8
+
+
 @dataclass(frozen=True)
 class FusedWeight(BlockWeight):
-    """Parts' rows stacked (a fused QKV or gate/up weight), all of one kernel form, whatever their kinds."""
+    """Parts' rows stacked (a fused QKV or gate/up weight), whatever their kinds: in the parts' common kernel form
+    (with the widest q: a Q5_0 part beside Q8_0 ones runs as int8), or in MIXED_FORM where they have none (a
+    Q4_K Q and K beside a Q6_K V, as llama.cpp's Q4_K_M writes many layers)."""
 
     parts: tuple[GGUFWeight, ...]
 
@@ -226,17 +305,21 @@ class FusedWeight(BlockWeight):
 
     @property
     def form(self) -> Form:
-        return max(p.form[0] for p in self.parts), *self.parts[0].form[1:]  # 5-bit q fit int8 beside 8-bit parts
+        if len({p.form[1:] for p in self.parts}) > 1:
+            return MIXED_FORM
+        return max(p.form[0] for p in self.parts), *self.parts[0].form[1:]
 
     def fields(self) -> Fields:
         fields = [p.fields() for p in self.parts]
+        if self.form == MIXED_FORM:
+            fields = [_in_mixed_form(f) for f in fields]
         d, m, q = (torch.cat(f) if f[0] is not None else None for f in zip(*fields))
         return d, m, q
 
 
 def concat(parts: list[GGUFWeight | None]) -> BlockWeight | None:
-    """The parts' rows stacked (a fused QKV or gate/up weight), or None unless all pack into one kernel form (the
-    widest of their q's bits: a Q5_0 part beside Q8_0 ones runs as int8)."""
-    if any(p is None for p in parts) or len({p.form[1:] for p in parts}) != 1 or len({p.cols for p in parts}) != 1:
+    """The parts' rows stacked (a fused QKV or gate/up weight), or None where a part is not in blocks or their
+    columns differ."""
+    if any(p is None for p in parts) or len({p.cols for p in parts}) != 1:
         return None
     return FusedWeight(tuple(parts))

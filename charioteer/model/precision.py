@@ -19,8 +19,8 @@
 - `quantization="int8"` stores each linear layer's weight and the LM head as int8 with one scale
   per output channel (symmetric, max |w| / 127) and multiplies in `dtype` (weight-only,
   W8A16/W8A32). The embedding's table stays in `dtype` (a lookup reads one row).
-- `quantization="gguf"` runs a GGUF file's linear layers and LM head in the file's own Q4_0, Q4_1, Q5_0,
-  Q8_0, Q4_K or Q6_K blocks (charioteer.model.gguf_blocks), as llama.cpp does, with fp32 activations;
+- `quantization="gguf"` runs a GGUF file's linear layers and LM head in the file's own blocks (the kinds of
+  charioteer.model.gguf_blocks.KINDS), as llama.cpp does, with fp32 activations;
   weights of other kinds run as `dtype`'s. The default model's file is Q4_1 (the LM head Q8_0): 0.63 bytes
   a weight against int8's 1.
 """

@@ -3,18 +3,23 @@
 // GGUF stores each weight row in blocks: Q4_1 as two fp16 (d, m) and 32 4-bit q (w = d q + m, 20 bytes:
 // 0.625 bytes a weight), Q8_0 as one fp16 d and 32 int8 q (w = d q, 34 bytes), Q5_0 as one fp16 d and 32
 // 5-bit q (w = d (q - 16), 22 bytes), and others that gguf_blocks.py turns into these forms exactly (Q4_0 and
-// Q4_K's sub-blocks into 4-bit q with fp32 d and m; Q6_K into int8 q with an fp32 d per 16 values).
+// Q4_K's sub-blocks into 4-bit q with fp32 d and m; Q5_1 and Q5_K's into 5-bit q with fp32 d and m; IQ4_NL
+// into int8 q with an fp16 d; Q6_K, Q3_K and IQ4_XS into int8 q with an fp32 d per 16 values).
 // BlockWeight.pack regroups them by 32 output columns into records of one block of 32 k each,
-// [N/32][K/32][record], of five forms:
+// [N/32][K/32][record], of seven forms:
 //   Q4_1 (640 bytes): d[32] and m[32] fp16, then 8 k quads x 2 column halves x 32 bytes, byte 2c + e of
 //        quad u, half h holding q[4u + e] | q[4u + 2 + e] << 4 of column 16h + c;
 //   Q4_1 with fp32 scales (768 bytes): d[32] and m[32] fp32, then the nibbles as Q4_1's;
 //   Q5_0 (704 bytes): d[32] fp16, the fifth bits, then q's low 4 bits as Q4_1's nibbles: per quad u, half h
 //        and nibble s a 32-bit word, its bit 2c + e q's fifth bit for k = 4u + 2s + e of column 16h + c;
 //        q - 16 is what is summed;
+//   Q5_1 with fp32 scales (896 bytes): d[32] and m[32] fp32, then the fifth bits and nibbles as Q5_0's; q is
+//        summed (0 to 31);
 //   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e];
 //   Q8_0 with two fp32 d a block (1280 bytes, for Q6_K's 16-value sub-blocks): d[32] of k 0-15, d[32] of
-//        k 16-31, then the int8 values as Q8_0's, summed in int32 per 16 k.
+//        k 16-31, then the int8 values as Q8_0's, summed in int32 per 16 k;
+//   mixed (1408 bytes): the two d as the last form's, then m[32] fp32, then the int8 values: any kind's
+//        values, for a fused weight whose parts share no other form (a Q4_K Q and K beside a Q6_K V).
 // So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4- and 5-bit forms, split into
 // nibbles) is 16 (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per
 // block of 32 (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and
@@ -42,23 +47,28 @@ constexpr int64_t kQ41Record = 4 * kCols + kBlock * kCols / 2;  // d, m (fp16) a
 constexpr int64_t kQ80Record = 2 * kCols + kBlock * kCols;      // d (fp16) and the int8 values
 constexpr int64_t kQ41F32Record = 8 * kCols + kBlock * kCols / 2;  // d, m (fp32) and the nibbles
 constexpr int64_t kQ80HalvesRecord = 8 * kCols + kBlock * kCols;   // d of k 0-15, of k 16-31 (fp32), int8 values
-constexpr int64_t kFifthBits = kBlock * kCols / 8;                     // bytes of a Q5_0 record's fifth bits
+constexpr int64_t kFifthBits = kBlock * kCols / 8;                     // bytes of a 5-bit record's fifth bits
 constexpr int64_t kQ50Record = 2 * kCols + kFifthBits + kBlock * kCols / 2;  // d, fifth bits, nibbles
+constexpr int64_t kQ51F32Record = 8 * kCols + kFifthBits + kBlock * kCols / 2;  // d, m (fp32), fifth bits, nibbles
+constexpr int64_t kMixedRecord = 12 * kCols + kBlock * kCols;                    // two d, m (fp32), int8 values
 
-// A record's form: its q as nibbles (with an offset m, or with a fifth bit) or int8, its scales in fp16 or
-// fp32, one set of them per block of 32 k or (int8 q) one per 16.
-enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves, kQ50 };
+// A record's form: its q as nibbles (with a fifth bit or not) or int8, with an offset m or not, its scales in
+// fp16 or fp32, one set of d per block of 32 k or (int8 q) one per 16.
+enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves, kQ50, kQ51F32, kMixed };
 template <Form F>
-constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32 || F == Form::kQ50;
+constexpr bool kFifth = F == Form::kQ50 || F == Form::kQ51F32;  // nibbles and a fifth bit
 template <Form F>
-constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32;  // an m per block and column
+constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32 || kFifth<F>;
 template <Form F>
-constexpr int64_t kScaleBytes = F == Form::kQ41F32 || F == Form::kQ80Halves ? 4 : 2;
+constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32 || F == Form::kQ51F32 || F == Form::kMixed;  // m
 template <Form F>
-constexpr int kParts = F == Form::kQ80Halves ? 2 : 1;  // sets of d per block, each for its share of k
+constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ80 || F == Form::kQ50 ? 2 : 4;
+template <Form F>
+constexpr int kParts = F == Form::kQ80Halves || F == Form::kMixed ? 2 : 1;  // sets of d a block, each its share of k
 template <Form F>
 constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record
-                          : F == Form::kQ41F32 ? kQ41F32Record : F == Form::kQ80Halves ? kQ80HalvesRecord : kQ50Record;
+                          : F == Form::kQ41F32 ? kQ41F32Record : F == Form::kQ80Halves ? kQ80HalvesRecord
+                          : F == Form::kQ50 ? kQ50Record : F == Form::kQ51F32 ? kQ51F32Record : kMixedRecord;
 
 // int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
 #if defined(__AVX512F__)
@@ -82,6 +92,10 @@ inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(load_bytes(p)); 
 // 5-bit q - 16 from q's low nibbles: minus 16 where the fifth bit (bit i of `bits` for lane i) is clear.
 inline IVec fifth_bits(IVec low, uint32_t bits) {
   return _mm512_mask_sub_epi16(low, _cvtu32_mask32(~bits), low, _mm512_set1_epi16(16));
+}
+// 5-bit q (0 to 31): plus 16 where the fifth bit is set.
+inline IVec fifth_bits_unsigned(IVec low, uint32_t bits) {
+  return _mm512_mask_add_epi16(low, _cvtu32_mask32(bits), low, _mm512_set1_epi16(16));
 }
 #define CHARIOTEER_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 struct DotSums {  // vpdpwssd: the multiply and the add in one instruction
@@ -107,10 +121,13 @@ struct MaddSums {  // as the AVX-512 one
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline Vec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(load_bytes(p)); }
-inline IVec fifth_bits(IVec low, uint32_t bits) {  // as the AVX-512 one, each lane testing its own bit
+inline IVec fifth_bits_unsigned(IVec low, uint32_t bits) {  // as the AVX-512 ones, each lane testing its own bit
   const IVec lane = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
   const IVec set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane), lane);
-  return _mm256_sub_epi16(_mm256_add_epi16(low, _mm256_and_si256(set, _mm256_set1_epi16(16))), _mm256_set1_epi16(16));
+  return _mm256_add_epi16(low, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
+inline IVec fifth_bits(IVec low, uint32_t bits) {
+  return _mm256_sub_epi16(fifth_bits_unsigned(low, bits), _mm256_set1_epi16(16));
 }
 #endif
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
@@ -139,25 +156,30 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
       if constexpr (kNibbles<F>) {
-        const uint8_t* bits = rec + scales;  // Q5_0's fifth bits
-        const uint8_t* q = rec + (kOffset<F> ? 2 * scales : F == Form::kQ50 ? scales + kFifthBits : scales);
+        const uint8_t* bits = rec + (kParts<F> + kOffset<F>) * scales;  // the fifth bits, after d (and m)
+        const uint8_t* q = bits + (kFifth<F> ? kFifthBits : 0);
         for (int64_t u = 0; u < kBlock / 4; ++u)
           for (int v = 0; v < kVecs; ++v) {
             const IVec w = widen_u8(q + 2 * kCols * u + kStep * v);
             IVec a = low_nibbles(w), c = high_nibbles(w);
-            if constexpr (F == Form::kQ50) {  // the word of the vector's half; AVX2's 8 columns: 16 of its bits
+            if constexpr (kFifth<F>) {  // the word of the vector's half; AVX2's 8 columns: 16 of its bits
               const int64_t half = kPairLanes * v / 16, shift = kPairLanes * v % 16 * 2;
               uint32_t low_bits, high_bits;
               std::memcpy(&low_bits, bits + 4 * (4 * u + 2 * half), 4);
               std::memcpy(&high_bits, bits + 4 * (4 * u + 2 * half + 1), 4);
-              a = fifth_bits(a, low_bits >> shift);
-              c = fifth_bits(c, high_bits >> shift);
+              if constexpr (kOffset<F>) {
+                a = fifth_bits_unsigned(a, low_bits >> shift);
+                c = fifth_bits_unsigned(c, high_bits >> shift);
+              } else {
+                a = fifth_bits(a, low_bits >> shift);
+                c = fifth_bits(c, high_bits >> shift);
+              }
             }
             for (int r = 0; r < R; ++r)
               sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
           }
       } else {
-        const uint8_t* q = rec + kParts<F> * scales;
+        const uint8_t* q = rec + (kParts<F> + kOffset<F>) * scales;
         constexpr int64_t share = kBlock / 2 / kParts<F>;
         for (int64_t u = part * share; u < (part + 1) * share; ++u)
           for (int v = 0; v < kVecs; ++v) {
@@ -170,8 +192,10 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
         for (int r = 0; r < R; ++r)
           total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
         if constexpr (kOffset<F>) {
-          const Vec m = load_scales<F>(rec + scales + kScaleBytes<F> * kPairLanes * v);
-          for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
+          if (part + 1 == kParts<F>) {  // m after every set of d
+            const Vec m = load_scales<F>(rec + kParts<F> * scales + kScaleBytes<F> * kPairLanes * v);
+            for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
+          }
         }
       }
     }
@@ -228,9 +252,10 @@ constexpr FormKernels form_kernels() {
   return {kRecord<F>, kOffset<F>, &kRows<F>, nullptr};
 #endif
 }
-constexpr std::array<FormKernels, 5> kForms = {form_kernels<Form::kQ41>(), form_kernels<Form::kQ80>(),
+constexpr std::array<FormKernels, 7> kForms = {form_kernels<Form::kQ41>(),    form_kernels<Form::kQ80>(),
                                                form_kernels<Form::kQ41F32>(), form_kernels<Form::kQ80Halves>(),
-                                               form_kernels<Form::kQ50>()};
+                                               form_kernels<Form::kQ50>(),    form_kernels<Form::kQ51F32>(),
+                                               form_kernels<Form::kMixed>()};
 
 const FormKernels* form_of(int64_t record) {
   for (const FormKernels& form : kForms)
@@ -255,12 +280,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool q41 = form->offset;  // an m: x's block sums are needed
+  const bool offset = form->offset;  // an m: x's block sums are needed
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
-  auto xsum = torch::empty({q41 ? m : 0, blocks}, x.options());  // the blocks' sums of x, for Q4_1's m
-  float* sums = q41 ? xsum.data_ptr<float>() : nullptr;
+  auto xsum = torch::empty({offset ? m : 0, blocks}, x.options());  // the blocks' sums of x, for the m terms
+  float* sums = offset ? xsum.data_ptr<float>() : nullptr;
   quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
                 sums);
   const int32_t* pp = pairs.data_ptr<int32_t>();
