@@ -102,6 +102,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 # up to 64 rows: 2x at 8 rows, 1.3x at 16-64 (charioteer bench tile shows the curve); above 64
 # rows it is no faster, so larger batches use F.linear on the original weight.
 PACKED_GEMM_MAX_ROWS = 64
+# Where fp32 GEMMs run oneDNN (precision.onednn_fp32_gemm: a CPU not Intel's), the AVX-512 panel kernel takes
+# fp32 batches up to this many rows, not only cpu_kernels.max_rows()' 32: on SmolLM2's 30 layers from memory it
+# beat oneDNN at 64 rows by 1.06x on a Zen 4 and 1.21x on a Zen 5 (32.6 [32.3, 33.0] against 39.3 [38.6, 39.9]
+# ms), 1.04x at 128 on the Zen 5 (`charioteer bench roofline --model smollm2-135m --decode-stream --rows N`).
+ONEDNN_PANEL_MAX_ROWS = 64
 
 
 def packed_gemm_available(device: torch.device) -> bool:
@@ -113,9 +118,10 @@ DECODE_IN_PLACE_MIN_BYTES = 512 * 1024
 
 
 class Linear:
-    """y = x @ weight.T: the panel kernel up to cpu_kernels.max_rows() rows (32 on AVX-512, 128 on
-    AVX2), MKL's packed GEMM up to 64, else F.linear; with `onednn` (precision.onednn_fp32_gemm),
-    oneDNN on a once-reordered weight above the panel kernel instead of MKL.
+    """y = x @ weight.T: the panel kernel up to `panel_rows` rows (Kernels.choose: cpu_kernels.max_rows(), 32 on
+    AVX-512 and 128 on AVX2; ONEDNN_PANEL_MAX_ROWS beside oneDNN), MKL's packed GEMM up to 64, else F.linear;
+    with `onednn` (precision.onednn_fp32_gemm), oneDNN on a once-reordered weight above the panel kernel
+    instead of MKL.
 
     Each path is used only where it is available (see cpu_kernels and packed_gemm_available).
     `invariant`: a row's bits must not depend on the other rows (charioteer.model.invariant): the
@@ -458,7 +464,8 @@ class Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
         CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
         GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0, or oneDNN's in place of MKL's GEMMs where
-        precision.onednn_fp32_gemm prefers it (a CPU not Intel's). All of them take fp32
+        precision.onednn_fp32_gemm prefers it (a CPU not Intel's; the panel GEMM then takes fp32 batches up to
+        ONEDNN_PANEL_MAX_ROWS). All of them take fp32
         activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
@@ -487,7 +494,9 @@ class Kernels:
         decode_attention = kernels and config.head_dim in cpu_kernels.HEAD_DIMS
         widened = dtype == torch.bfloat16 and row_ops and decode_attention and bf16_runs_widened(device)
         native = kernels and (dtype == torch.float32 or widened)
-        panel_rows = cpu_kernels.max_rows() if native else 0
+        fp32 = dtype == torch.float32 and not quantized
+        onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
+        panel_rows = max(cpu_kernels.max_rows(), ONEDNN_PANEL_MAX_ROWS if onednn else 0) if native else 0
         # bf16 in torch's ops (AMX) still attends its decodes in the kernel, in fp32 on the bf16 cache read in
         # place: torch's SDPA per decode reads it at a fifth of the bandwidth (0.75 ms per 256-token LLaMA-7B decode)
         torch_bf16 = kernels and dtype == torch.bfloat16 and not widened
@@ -498,8 +507,6 @@ class Kernels:
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         int8_tiles = cpu_kernels.int8_tile_kernel() if quantized and native else None
         vnni = cpu_kernels.vnni_unavailable_reason() is None
-        fp32 = dtype == torch.float32 and not quantized
-        onednn = onednn_fp32_gemm(device) and fp32  # the switch's value is checked in every dtype
         amx_attention = amx and amx_attention_enabled(config)
         # fp32 or widened bf16; where AMX computes bf16, its tiles or SDPA in bf16 stay (_prefill_attention): the
         # vector kernel has not been measured against them on such a CPU
