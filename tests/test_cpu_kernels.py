@@ -150,14 +150,17 @@ def test_the_rows_the_cost_model_reads_are_where_the_linears_switch_paths():
     """LlamaModel.small_batch_rows and widen_rows (the simulator's step cost model takes them) against
     the routes its Linear and NarrowLinear take, on this CPU, for fp32, widened bf16 and int8."""
     from charioteer.model.config import ModelConfig
-    from charioteer.model.llama import PACKED_GEMM_MAX_ROWS, Kernels, NarrowLinear
+    from charioteer.model.llama import ONEDNN_PANEL_MAX_ROWS, PACKED_GEMM_MAX_ROWS, Kernels, NarrowLinear
 
     config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
                          num_kv_heads=1)
     fp32 = Kernels.choose(config, torch.device("cpu"))
     panel = cpu_kernels.max_rows()
+    # beside oneDNN (a CPU not Intel's) the panel kernel takes fp32 up to ONEDNN_PANEL_MAX_ROWS
+    assert fp32.panel_rows == (max(panel, ONEDNN_PANEL_MAX_ROWS if fp32.onednn_fp32 else 0) if panel else 0)
     assert fp32.widen_rows(quantized=False) == 0
-    assert fp32.small_batch_rows(quantized=False) == max(panel, PACKED_GEMM_MAX_ROWS if fp32.packed_gemm else 0)
+    packed = PACKED_GEMM_MAX_ROWS if fp32.packed_gemm else 0
+    assert fp32.small_batch_rows(quantized=False) == max(fp32.panel_rows, packed)
     for isa in cpu_kernels.ISAS:
         if cpu_kernels.cannot_run(isa) is None:
             block = cpu_kernels.row_block(isa)

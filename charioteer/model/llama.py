@@ -462,11 +462,10 @@ class Kernels:
     def choose(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32,
                quantized: bool = False, batch_invariant: bool = False, gguf: bool = False) -> Kernels:
         """The CPU kernels where this CPU runs them (cpu_kernels.available: AVX-512 or AVX2, unless
-        CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed
-        GEMM where torch has it, unless CHARIOTEER_PACKED_GEMM=0, or oneDNN's in place of MKL's GEMMs where
-        precision.onednn_fp32_gemm prefers it (a CPU not Intel's; the panel GEMM then takes fp32 batches up to
-        ONEDNN_PANEL_MAX_ROWS). All of them take fp32
-        activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's does not.
+        CHARIOTEER_CPU_KERNELS says otherwise), each where the head size suits it; MKL's packed GEMM where torch
+        has it, unless CHARIOTEER_PACKED_GEMM=0, or oneDNN's in place of MKL's GEMMs where precision.onednn_fp32_gemm
+        prefers it (a CPU not Intel's; the panel GEMM then takes fp32 batches up to ONEDNN_PANEL_MAX_ROWS). All of
+        them take fp32 activations only; the panel GEMM also takes int8 and bf16 weights (NarrowLinear), MKL's not.
 
         bf16 runs widened (`widened_bf16`: bf16 weights and KV cache, fp32 activations, all in the
         kernels) where they run (`bf16_runs_widened`) and the head size suits them, else torch's bf16
