@@ -197,7 +197,8 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    with pytest.raises(ValueError, match="runs a GGUF file's own Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS blocks"):
+    kinds = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"
+    with pytest.raises(ValueError, match=f"runs a GGUF file's own {kinds} blocks"):
         LLM("synthetic:tiny", quantization="gguf")
 
 
@@ -303,7 +304,7 @@ def test_the_test_quantizers_are_close(kind):
 
 # As llama.cpp's Q4_K_M of SmolLM2 (whose 576 columns take no K-quant): Q5_0, with V in Q8_0; down projections
 # (1536 columns) in Q4_K in even layers and Q6_K in odd ones, but layer 1's in none (as a kind that runs in
-# fp32); a Q4_0 LM head. Its Q5_K_M and Q3_K_M: Q5_1 and IQ4_NL, with Q5_K downs.
+# fp32); a Q4_0 LM head. Its Q5_K_M and IQ4_XS: mostly Q5_1 and IQ4_NL, with Q5_K downs.
 Q4_K_M_KINDS = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q5_0",
                 "up_proj": "Q5_0", "down_proj": "Q4_K", "embed_tokens": "Q4_0"}
 Q5_K_M_KINDS = {"q_proj": "Q5_1", "k_proj": "Q5_1", "v_proj": "Q8_0", "o_proj": "IQ4_NL", "gate_proj": "Q5_1",

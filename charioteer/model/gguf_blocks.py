@@ -32,7 +32,7 @@ fp32), so `dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 s
 1.25 (0.53); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default model's file
 holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is
 mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down projections, its Q5_K_M
-mostly Q5_1, its Q3_K_M mostly IQ4_NL. Other kinds (Q2_K, the other IQ kinds) run dequantized, as the model's
+mostly Q5_1, its IQ4_XS mostly IQ4_NL. Other kinds (Q2_K, the other IQ kinds) run dequantized, as the model's
 dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
