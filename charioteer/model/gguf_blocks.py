@@ -63,10 +63,12 @@ Fields = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 Form = tuple[int, bool, torch.dtype, int]
 
 
-def _nibbles(q: np.ndarray, group: int) -> np.ndarray:
-    """Bytes [..., n] of 4-bit pairs -> values [..., 2n]: per `group` bytes, their low nibbles, then their high."""
-    q = q.reshape(*q.shape[:-1], -1, 1, group) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-    return (q & 0x0F).reshape(*q.shape[:-3], -1)
+def _fields(raw: np.ndarray, group: int, bits: int) -> np.ndarray:
+    """Bytes [..., n] of `bits`-wide fields (4: nibbles, 2: bit pairs, 1: bits) -> values [..., 8n / bits]: per
+    `group` bytes, their lowest fields, then their next, up to their highest."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8).reshape(-1, 1)
+    fields = raw.reshape(*raw.shape[:-1], -1, 1, group) >> shifts
+    return (fields & (1 << bits) - 1).reshape(*raw.shape[:-1], -1)
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,31 +91,26 @@ def _q8_0(raw: np.ndarray) -> tuple:
 
 
 def _q4_1(raw: np.ndarray) -> tuple:
-    return _fp16(raw, 0), _fp16(raw, 2), _nibbles(raw[..., 4:], 16)
+    return _fp16(raw, 0), _fp16(raw, 2), _fields(raw[..., 4:], 16, 4)
 
 
 def _q4_0(raw: np.ndarray) -> tuple:
     d = _fp16(raw, 0).astype(np.float32)
-    return d, -8 * d, _nibbles(raw[..., 2:], 16)
-
-
-def _with_fifth_bits(low: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """q's low 4 bits [..., 32] and its fifth bits (4 bytes [..., 4]: a uint32, bit j for value j) -> q 0-31."""
-    high = words.copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32) & 1
-    return low | (high.astype(np.uint8) << 4)
+    return d, -8 * d, _fields(raw[..., 2:], 16, 4)
 
 
 def _q5_0(raw: np.ndarray) -> tuple:
-    return _fp16(raw, 0), None, _with_fifth_bits(_nibbles(raw[..., 6:], 16), raw[..., 2:6]).astype(np.int8) - 16
+    """The fifth bits: a uint32, bit j for value j; then the low 4 bits as Q4_1's q."""
+    return _fp16(raw, 0), None, (_fields(raw[..., 6:], 16, 4) | _fields(raw[..., 2:6], 1, 1) << 4).astype(np.int8) - 16
 
 
 def _q5_1(raw: np.ndarray) -> tuple:
-    q = _with_fifth_bits(_nibbles(raw[..., 8:], 16), raw[..., 4:8])
+    q = _fields(raw[..., 8:], 16, 4) | _fields(raw[..., 4:8], 1, 1) << 4  # as Q5_0's
     return _fp16(raw, 0).astype(np.float32), _fp16(raw, 2).astype(np.float32), q
 
 
 def _iq4_nl(raw: np.ndarray) -> tuple:
-    return _fp16(raw, 0), None, IQ4_VALUES[_nibbles(raw[..., 2:], 16)]
+    return _fp16(raw, 0), None, IQ4_VALUES[_fields(raw[..., 2:], 16, 4)]
 
 
 def _k_scales_and_mins(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -124,19 +121,17 @@ def _k_scales_and_mins(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4_k(raw: np.ndarray) -> tuple:
-    return *_k_scales_and_mins(raw), _nibbles(raw[..., 16:], 32)
+    return *_k_scales_and_mins(raw), _fields(raw[..., 16:], 32, 4)
 
 
 def _q5_k(raw: np.ndarray) -> tuple:
-    high = raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None] & 1  # [rows, blocks, bit g, byte j]
-    return *_k_scales_and_mins(raw), _nibbles(raw[..., 48:], 32) | (high.reshape(*raw.shape[:2], -1) << 4)
+    return *_k_scales_and_mins(raw), _fields(raw[..., 48:], 32, 4) | (_fields(raw[..., 16:48], 32, 1) << 4)
 
 
 def _q6_k(raw: np.ndarray) -> tuple:
     """Values 0-127 and 128-255 of a super-block each from 64 bytes of low nibbles (the 64 low, then the 64 high)
     and 32 bytes of high bit pairs (bits 0-1, 2-3, 4-5, 6-7 for values 32 apart); a d per 16 values."""
-    high = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    q = (_nibbles(raw[..., :128], 64) | ((high & 3).reshape(*raw.shape[:2], -1) << 4)).astype(np.int8) - 32
+    q = (_fields(raw[..., :128], 64, 4) | (_fields(raw[..., 128:192], 32, 2) << 4)).astype(np.int8) - 32
     return _fp16(raw, 208).astype(np.float32)[..., None] * raw[..., 192:208].view(np.int8), None, q
 
 
@@ -144,26 +139,17 @@ def _q3_k(raw: np.ndarray) -> tuple:
     """q's low bit pairs: bits 2s-2s+1 of byte 32g + j for value 128g + 32s + j; its high bit (worth 4):
     bit i of byte j for value 32i + j. Scale s's low 4 bits in byte s % 8's nibble s / 8, its top 2 bits in byte
     8 + s % 4's pair s / 4; sc - 32 scales 16 values."""
-    shape = raw.shape[:2]
-    low = raw[..., 32:96].reshape(*shape, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None] & 3
-    high = raw[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None] & 1
-    q = low.reshape(*shape, -1).astype(np.int8) - 4 * (1 - high.reshape(*shape, -1).astype(np.int8))
-    packed = raw[..., 96:108]
-    sc_low = packed[..., None, :8] >> np.array([0, 4], dtype=np.uint8)[:, None] & 15  # [nibble, byte]
-    sc_high = packed[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None] & 3  # [pair, byte]
-    sc = (sc_low.reshape(*shape, 16) | sc_high.reshape(*shape, 16) << 4).astype(np.float32) - 32
+    q = _fields(raw[..., 32:96], 32, 2).astype(np.int8) - 4 * (1 - _fields(raw[..., :32], 32, 1).astype(np.int8))
+    sc = (_fields(raw[..., 96:104], 8, 4) | _fields(raw[..., 104:108], 4, 2) << 4).astype(np.float32) - 32
     return _fp16(raw, 108).astype(np.float32)[..., None] * sc, None, q
 
 
 def _iq4_xs(raw: np.ndarray) -> tuple:
     """Sub-block s's 6-bit ls: its low 4 bits in nibble s % 2 of byte 4 + s / 2, its top 2 in bits 2s-2s+1 of the
     uint16 at byte 2; then IQ4_NL's indices, 16 bytes a sub-block."""
-    shape = raw.shape[:2]
-    ls_low = raw[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8) & 15  # [byte, nibble]
-    ls_high = raw[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16) & 3
-    ls = (ls_low.reshape(*shape, 8) | (ls_high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    ls = (_fields(raw[..., 4:8], 1, 4) | _fields(raw[..., 2:4], 1, 2) << 4).astype(np.float32) - 32
     d = _fp16(raw, 0).astype(np.float32)[..., None] * ls
-    return np.repeat(d, 2, axis=-1), None, IQ4_VALUES[_nibbles(raw[..., 8:], 16)]
+    return np.repeat(d, 2, axis=-1), None, IQ4_VALUES[_fields(raw[..., 8:], 16, 4)]
 
 
 _FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl, "Q3_K": _q3_k,
