@@ -282,3 +282,19 @@ def test_decode_gemm_stream_times_each_backend_on_the_same_weights():
     for r in rows:
         multiplies_bf16 = r["backend"] in ("onednn packed bf16", "amx tiles bf16", "avx512-bf16 bf16")
         assert r["compute"] == ("bfloat16" if multiplies_bf16 else "float32"), r["backend"]
+
+
+def test_decode_attention_stream_times_every_shape_against_the_read_bandwidth():
+    from charioteer.bench.roofline import decode_attention_stream
+    from charioteer.model import cpu_kernels
+
+    shapes = (("tiny", 4, 2, 64, ((1, 16), (3, 40))),)
+    rows = decode_attention_stream("float32", repeats=2, cache_mb=1, shapes=shapes)
+    if not cpu_kernels.available():
+        assert rows == []
+        return
+    assert [(r["model"], r["decodes"], r["context"]) for r in rows] == [("tiny", 1, 16), ("tiny", 3, 40)]
+    for r in rows:
+        low, high = r["us_per_call_spread"]
+        assert low <= r["us_per_call"] <= high and r["kv_gbs"] > 0 and r["read_gbs"] > 0
+        assert abs(r["of_read"] - r["kv_gbs"] / r["read_gbs"]) <= 0.01 + 0.01 * r["of_read"]  # rounded apart

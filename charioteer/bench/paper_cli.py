@@ -132,7 +132,8 @@ def cmd_tile(args) -> int:
 
 
 def cmd_roofline(args) -> int:
-    from charioteer.bench.roofline import decode_gemm_stream, describe, matmul_sweep, observe, prefill_attention_sweep
+    from charioteer.bench.roofline import (decode_attention_stream, decode_gemm_stream, describe, matmul_sweep, observe,
+                                           prefill_attention_sweep)
 
     roof = prepare_device(args)
     extra, sections, rates = {}, [], []
@@ -160,6 +161,14 @@ def cmd_roofline(args) -> int:
                         f"{args.repeats} interleaved rounds (sdpa_over: SDPA's median time over the backend's):\n"
                         + format_table(extra["prefill_attention"],
                                        ["model", "tokens", "start", "backend", "ms", "gflops", "sdpa_over"]))
+    if args.decode_attention:
+        check_repeats(args.repeats)
+        extra["decode_attention"] = decode_attention_stream(roof["dtype"], repeats=args.repeats)
+        sections.append(f"Decode attention on a {roof['dtype']} KV cache read from memory, median [min, max] of "
+                        f"{args.repeats} interleaved rounds (of_read: over the read bandwidth of the same rounds):\n"
+                        + (format_table(extra["decode_attention"], ["model", "decodes", "context", "us_per_call",
+                                                                     "kv_gbs", "read_gbs", "of_read"])
+                           if extra["decode_attention"] else "(the CPU kernels do not run here: nothing to time)"))
     # A rate the sweeps observe above the peak of the dtype it computed in raises that peak (a measured rate
     # is a lower bound); the matmul sweep and all but the bf16 backends of the decode stream compute in fp32.
     if rates and observe(roof, max(rates) * 1e9):
@@ -315,8 +324,11 @@ def _add_roofline(bench_sub) -> None:
     p.add_argument("--attention", action="store_true",
                    help="also time a prompt chunk's attention per backend (SDPA, the CPU kernels) at SmolLM2's and "
                         "LLaMA-7B's head shapes")
+    p.add_argument("--decode-attention", action="store_true",
+                   help="also time decode attention on a KV cache read from memory (the CPU kernels), at SmolLM2's "
+                        "and LLaMA-7B's head shapes, beside the read bandwidth")
     p.add_argument("--rows", type=int, default=16, help="batch rows of --decode-stream's step (default 16)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="--decode-stream's and --attention's interleaved rounds, every backend once per round "
-                        "(default 5)")
+                   help="--decode-stream's, --attention's and --decode-attention's interleaved rounds, every "
+                        "backend once per round (default 5)")
     p.set_defaults(func=cmd_roofline)

@@ -544,6 +544,58 @@ def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[di
     return out
 
 
+# (name, query heads, KV heads, head_dim, [(decodes, context tokens)]) of bench roofline --decode-attention
+DECODE_ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((1, 256), (16, 600))),
+                           ("LLaMA-7B", 32, 32, 128, ((1, 512), (16, 512))))
+COLD_CACHE_MB = 1024  # K/V read per timed call set: beyond any last-level cache here (the Xeon's is 480 MB)
+
+
+def decode_attention_stream(dtype: str = "float32", repeats: int = 5, cache_mb: float = COLD_CACHE_MB,
+                            shapes=DECODE_ATTENTION_SHAPES) -> list[dict]:
+    """Decode attention (`cpu_kernels.decode_attention`, every decode step's and mixed batch's) reading its
+    K/V from memory, as at a decode step, where every weight has streamed through the caches since.
+    Per shape, copies of a layer's caches (contiguous contexts, `dtype`) until `cache_mb` MB, one call on
+    each per timed set; `repeats` interleaved rounds (after one warm-up), each with a trial of the read
+    bandwidth (`bandwidth_reader`, the GEMV over 512 MB that the single-stream limits use) beside them.
+    Per shape the median call with its spread, the K/V bytes read per second, and that rate over the
+    median bandwidth of the same rounds (`of_read`). Empty without the CPU kernels."""
+    from charioteer.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        return []
+    dt = _dtype(dtype)
+    read = bandwidth_reader("cpu", dtype)
+    runs, sizes = {"read": lambda: read(1)}, {}
+    for model, heads, kv_heads, dim, cases in shapes:
+        for decodes, context in cases:
+            layer = torch.randn(2, decodes * context, kv_heads, dim).to(dt)
+            copies = max(1, math.ceil(cache_mb * 1e6 / (layer.numel() * layer.element_size())))
+            caches = torch.empty(copies, *layer.shape, dtype=dt)
+            caches.copy_(layer.expand_as(caches))  # a copy, not randn: 1 GB of randn takes seconds
+            slots = torch.arange(decodes * context).view(decodes, context)
+            lengths = torch.full((decodes,), context, dtype=torch.long)
+            q, out = torch.randn(decodes, heads, dim), torch.empty(decodes, heads, dim)
+
+            def calls(caches=caches, slots=slots, lengths=lengths, q=q, out=out):
+                for kv in caches:
+                    cpu_kernels.decode_attention(q, kv[0], kv[1], slots, lengths, dim ** -0.5, out)
+
+            runs[(model, decodes, context)] = lambda calls=calls: _clocked(calls)
+            sizes[(model, decodes, context)] = (copies, caches.numel() * caches.element_size())
+    samples = interleaved(runs, repeats, warmup=1)
+    read_gbs = median(samples.pop("read")) / 1e9
+    out = []
+    for (model, decodes, context), times in samples.items():
+        copies, nbytes = sizes[(model, decodes, context)]
+        t = median(times)
+        out.append({"model": model, "decodes": decodes, "context": context, "cache": dtype,
+                    "us_per_call": _sig3(t / copies * 1e6), "us_per_call" + SPREAD: [_sig3(x / copies * 1e6)
+                                                                                    for x in spread(times)],
+                    "kv_gbs": _sig3(nbytes / t / 1e9), "read_gbs": _sig3(read_gbs),
+                    "of_read": round(nbytes / t / 1e9 / read_gbs, 2)})
+    return out
+
+
 def describe(r: dict) -> str:
     ident = r.get("identity") or {}
     where = ", ".join(str(x) for x in (
