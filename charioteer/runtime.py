@@ -7,6 +7,8 @@ MB), so each step paid page faults and kernel page zeroing for all of them: meas
 32 MB KV gather took 24 ms that way and 9.7 ms from a heap that keeps its memory. We raise
 the mmap threshold to 1 GiB and stop trimming, as inference servers commonly do with their
 allocator. Weights and the KV cache (larger than that, or allocated once) are unaffected.
+mallopt takes a C int: a trim threshold past 2**31 - 1 wraps (1 << 40 became 0, which trims on every
+free and cost a 2048-row step 3000 page faults in one gate/up GEMM), so the largest int is the setting.
 Set CHARIOTEER_MALLOC_TUNING=0 to leave malloc alone.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_INT_MAX = 2**31 - 1
 _done = False
 
 
@@ -41,8 +44,9 @@ def tune_allocator() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     except (OSError, AttributeError):
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 40) == 1
+    ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     _done = ok
     return ok
