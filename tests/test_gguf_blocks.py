@@ -33,8 +33,8 @@ def test_the_default_files_blocks_dequantize_to_the_loaders_weights(default_mode
 
 
 def test_blocks_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="kind 'Q2_K' is none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K"):
-        GGUFWeight("Q2_K", torch.zeros(2, 84, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="kind 'IQ2_XXS' is none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K"):
+        GGUFWeight("IQ2_XXS", torch.zeros(2, 66, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \[rows, blocks \* 20\]"):
         GGUFWeight("Q4_1", torch.zeros(2, 21, dtype=torch.uint8))
     q41 = GGUFWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8))
@@ -42,7 +42,7 @@ def test_blocks_refuse_what_they_cannot_hold():
     assert concat([q41, q41]).rows == 4 and concat([q41, q41]).form == q41.form
     assert concat([q41, None]) is None  # a part not in blocks
     assert concat([q41, GGUFWeight("Q4_1", torch.zeros(2, 40, dtype=torch.uint8))]) is None  # other columns
-    assert concat([q41, q80]).form == MIXED_FORM  # no common form: int8 q, two d and an m, all fp32
+    assert concat([q41, q80]).form == MIXED_FORM  # no common form: int8 q, two d and two m, all fp32
     q50 = GGUFWeight("Q5_0", torch.zeros(3, 22, dtype=torch.uint8))
     q40 = GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8))
     assert concat([q50, q80]).rows == 5 and concat([q50, q80]).form[0] == 8  # 5-bit q run as int8 beside 8-bit
@@ -90,7 +90,7 @@ def test_fused_parts_of_any_kinds_run_as_each_alone(isa, monkeypatch):
     assert five.form == (5, True, torch.float32, 1) and five.pack().shape[-1] == 896
     assert torch.equal(cpu_kernels.gguf_linear(x, five.pack(), 72, isa=isa), torch.cat(alone[:3], dim=1))
     mixed = concat(parts)
-    assert mixed.form == MIXED_FORM and mixed.pack().shape[-1] == 1408
+    assert mixed.form == MIXED_FORM and mixed.pack().shape[-1] == 1536
     assert torch.equal(mixed.dequantize(), torch.cat([w.dequantize() for w in parts]))
     y = cpu_kernels.gguf_linear(x, mixed.pack(), 96, isa=isa)
     assert torch.equal(y[:, 72:], alone[3])  # Q6_K's own d per 16 values
@@ -102,9 +102,10 @@ def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) 
     for finite scales."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, size=(rows, blocks, 2)).astype(np.float16)  # d and m or dmin: moderate
-    raw[..., slice(-2, None) if kind in ("Q6_K", "Q3_K") else slice(0, 2)] = scales[..., :1].view(np.uint8)
-    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
-        raw[..., 2:4] = scales[..., 1:].view(np.uint8)
+    d_at, m_at = {"Q6_K": (-2, None), "Q3_K": (-2, None), "Q2_K": (80, 82)}.get(kind, (0, 2))
+    raw[..., d_at:None if d_at == -2 else d_at + 2] = scales[..., :1].view(np.uint8)
+    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"):
+        raw[..., m_at:m_at + 2] = scales[..., 1:].view(np.uint8)
     return GGUFWeight(kind, torch.from_numpy(raw.reshape(rows, -1)))
 
 
@@ -127,13 +128,14 @@ def test_each_kind_dequantizes_as_gguf_py_does(kind):
 def _magnitude(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     """[rows, n]: the sizes of the kernel's terms, d q x and m x (each rounds apart), summed in float64."""
     d, m, q = w.fields()
-    terms = (per_value(d.double()).abs() * q.double().abs() + (0 if m is None else m.double().abs()[..., None]))
+    terms = (per_value(d.double()).abs() * q.double().abs() + (0 if m is None else per_value(m.double()).abs()))
     return x.abs().double() @ terms.reshape(w.rows, -1).T
 
 
 def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32), the
-    int16 products' exact sums, then d * scale * sum (+ m * the block's sum of x, added in fp32 in order)."""
+    int16 products' exact sums, then d * scale * sum (+ m * the sum of x over its block, or over its 16 values in
+    the mixed form, added in fp32 in order)."""
     d, m, q = w.fields()
     xb = x.reshape(x.shape[0], -1, BLOCK)
     top = xb.abs().amax(-1, keepdim=True)
@@ -142,10 +144,12 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     sums = torch.einsum("rbk,nbk->rnb", xq, q.double() * per_value(d.double()))
     y = (sums * (top / 32767.0).double().squeeze(-1)[:, None]).sum(-1)
     if m is not None:
-        xsum = torch.zeros(xb.shape[:2])
-        for i in range(BLOCK):  # as quantize_rows sums: one fp32 addition after another
-            xsum = xsum + xb[..., i]
-        y = y + (m.double()[None] * xsum.double()[:, None]).sum(-1)
+        sets = 1 if m.dim() == 2 else m.shape[2]  # m per block of 32 or per 16 values
+        xs = xb.reshape(*xb.shape[:2], sets, BLOCK // sets)
+        xsum = torch.zeros(xs.shape[:3])
+        for i in range(BLOCK // sets):  # as the kernel sums: one fp32 addition after another
+            xsum = xsum + xs[..., i]
+        y = y + (m.double().reshape(*m.shape[:2], sets)[None] * xsum.double()[:, None]).sum((-1, -2))
     return y
 
 
@@ -157,6 +161,17 @@ def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outl
     """Against a float64 model of its arithmetic, and within half an int16 step of each block's largest |x|
     of the exact product on the dequantized weight; rows past a pass (8 or 4) and columns past a panel's 32
     included. Both builds give the same bits, and so do the AVX512-VNNI sums."""
+    _check_block_product(isa, kind, rows, n, blocks, seed, outlier)
+
+
+@each_isa
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_linear_is_the_block_product_for_every_kind(isa, kind):
+    """The same checks on one shape per kind, so that none is left to the draw above."""
+    _check_block_product(isa, kind, rows=9, n=40, blocks=2, seed=11, outlier=True)
+
+
+def _check_block_product(isa: str, kind: str, rows: int, n: int, blocks: int, seed: int, outlier: bool) -> None:
     rng = np.random.default_rng(seed)
     w = _random_blocks(kind, n, blocks, rng)
     blocks = w.cols // BLOCK  # the kernel's blocks of 32 (a Q4_K block holds 8)
@@ -197,7 +212,7 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    kinds = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"
+    kinds = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K"
     with pytest.raises(ValueError, match=f"runs a GGUF file's own {kinds} blocks"):
         LLM("synthetic:tiny", quantization="gguf")
 
@@ -285,21 +300,45 @@ def _q6_k_bytes(w: np.ndarray) -> np.ndarray:
                            d[..., None].view(np.uint8)], axis=-1).reshape(rows, -1)
 
 
+def _q2_k_bytes(w: np.ndarray) -> np.ndarray:
+    """w [rows, cols] (cols a multiple of 256) in Q2_K blocks, by a plain rounding: each 16 values' range / 3 and
+    min on the 4-bit grids of its super-block's d and dmin."""
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 16, 16).astype(np.float32)
+    low = np.minimum(sub.min(-1), 0)
+    step, mins = (sub.max(-1) - low) / 3, -low
+    d, dmin = (step.max(-1) / 15).astype(np.float16), (mins.max(-1) / 15).astype(np.float16)
+
+    def grid(v, unit):  # v / unit rounded up to 0..15 (a step never too small), 0 where the unit is
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.ceil(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0)), 0, 15).astype(np.uint8)
+
+    sc, mn = grid(step, d), grid(mins, dmin)
+    scale = (d.astype(np.float32)[..., None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0))
+    q = np.clip(q, 0, 3).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # value 128h + 32j + l: byte 32h + l, pair j
+    qs = (q[..., 0, :] | q[..., 1, :] << 2 | q[..., 2, :] << 4 | q[..., 3, :] << 6).reshape(rows, -1, 64)
+    return np.concatenate([sc | mn << 4, qs, d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)],
+                          axis=-1).reshape(rows, -1)
+
+
 def _quantized(w: torch.Tensor, kind: str) -> GGUFWeight:
     """gguf-py's quantizer, or for the K-quants and IQ4_NL (it has none) a plain one here."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     ours = {"Q4_K": _q4_k_bytes, "Q5_K": lambda w: _q4_k_bytes(w, fifth_bit=True), "Q6_K": _q6_k_bytes,
-            "IQ4_NL": _iq4_nl_bytes}
+            "IQ4_NL": _iq4_nl_bytes, "Q2_K": _q2_k_bytes}
     data = ours[kind](w.numpy()) if kind in ours else quantize(w.numpy(), GGMLQuantizationType[kind])
     return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(data)))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL"])
-def test_the_test_quantizers_are_close(kind):
+@pytest.mark.parametrize("kind, within", [("Q4_K", 0.25), ("Q5_K", 0.25), ("Q6_K", 0.25), ("IQ4_NL", 0.25),
+                                          ("Q2_K", 0.5)])  # 2 bits: half a step of a third of the range
+def test_the_test_quantizers_are_close(kind, within):
     w = torch.from_numpy(np.random.default_rng(5).standard_normal((4, 512)).astype(np.float32))
-    assert (_quantized(w, kind).dequantize() - w).abs().max() < 0.25 * w.abs().max()
+    assert (_quantized(w, kind).dequantize() - w).abs().max() < within * w.abs().max()
 
 
 # As llama.cpp's Q4_K_M of SmolLM2 (whose 576 columns take no K-quant): Q5_0, with V in Q8_0; down projections
@@ -309,6 +348,9 @@ Q4_K_M_KINDS = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": 
                 "up_proj": "Q5_0", "down_proj": "Q4_K", "embed_tokens": "Q4_0"}
 Q5_K_M_KINDS = {"q_proj": "Q5_1", "k_proj": "Q5_1", "v_proj": "Q8_0", "o_proj": "IQ4_NL", "gate_proj": "Q5_1",
                 "up_proj": "Q4_0", "down_proj": "Q5_K", "embed_tokens": "IQ4_NL"}
+# A Q2_K file: Q4_0 where the columns take no K-quant (576), the down projections in Q2_K (and Q6_K in odd layers)
+Q2_K_KINDS = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q4_0", "gate_proj": "Q4_0",
+              "up_proj": "Q4_0", "down_proj": "Q2_K", "embed_tokens": "Q4_0"}
 
 
 def _mixed_kind(kinds: dict[str, str], name: str) -> str | None:
@@ -321,8 +363,9 @@ def _mixed_kind(kinds: dict[str, str], name: str) -> str | None:
 @needs_kernel
 @pytest.mark.parametrize("kinds, records", [
     (Q4_K_M_KINDS, {1088, 768, 1280}),  # int8 q; nibbles with fp32 scales; int8 q with a d per 16 (+ Q5_0's 704)
-    (Q5_K_M_KINDS, {1408, 1088, 896, 1280}),  # QKV mixed; IQ4_NL as int8; 5-bit q with fp32 d, m; Q6_K
-], ids=["q4_k_m", "q5_k_m"])
+    (Q5_K_M_KINDS, {1536, 1088, 896, 1280}),  # QKV mixed; IQ4_NL as int8; 5-bit q with fp32 d, m; Q6_K
+    (Q2_K_KINDS, {768, 1536, 1280}),  # Q4_0 as 4-bit q with fp32 d, m; Q2_K mixed; Q6_K
+], ids=["q4_k_m", "q5_k_m", "q2_k"])
 def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, kinds, records):
     """Fused weights of parts in one kernel form or none (a Q5_1 Q and K beside a Q8_0 V: the mixed records), and
     the K kinds: every linear layer with blocks and the LM head run them, the others fp32's panels, in the one-call

@@ -3,7 +3,7 @@
 GGUF stores a weight row by row in blocks. These kinds run here without an fp32 copy, each as blocks of 32
 values in one of the GGUF kernel's forms (kernels/gguf_gemm.cpp): 4-bit q with a scale d and an offset m
 (w = d q + m), 5-bit q, signed with a scale d (w = d q) or unsigned with d and m, or 8-bit signed q with a
-scale d, d and m in fp16 or fp32 as the kind needs:
+scale d (and in the mixed form an m, both per 16 values), d and m in fp16 or fp32 as the kind needs:
 - Q4_1 (20 bytes a block of 32: 0.625 bytes a weight): fp16 d and m, then 16 bytes of 4-bit q, value j in
   the low nibble of byte j and value 16 + j in its high nibble; w = d * q + m.
 - Q8_0 (34 bytes): fp16 d, then 32 int8 q; w = d * q.
@@ -26,14 +26,17 @@ scale d, d and m in fp16 or fp32 as the kind needs:
 - IQ4_XS (136 bytes a super-block of 256): fp16 d, eight 6-bit scales ls (the high 2 bits of all in 2 bytes, the
   low 4 in the next 4), then IQ4_NL's indices per 32 values; w = d (ls_s - 32) table[q]: run as Q6_K, with
   the two d of a block of 32 equal.
+- Q2_K (84 bytes a super-block of 256): sixteen bytes of a 4-bit scale sc (low nibble) and a 4-bit min mn (high
+  nibble), 64 bytes of 2-bit q, fp16 d and dmin; w = d sc_s q - dmin mn_s for s = i / 16: run in the mixed form
+  (int8 q with an fp32 d and m per 16 values).
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s, 8 d and d (ls - 32) are exact in
 fp32), so `dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight
 (the file: 0.56), Q5_1 and Q5_K 0.88 (0.75, 0.69), Q6_K 1.13 (0.82), Q3_K 1.13 (0.43), IQ4_NL 1.06 (0.56), IQ4_XS
-1.25 (0.53); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default model's file
-holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is
+1.25 (0.53), Q2_K 1.5 (0.33); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default
+model's file holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is
 mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down projections, its Q5_K_M
-mostly Q5_1, its IQ4_XS mostly IQ4_NL. Other kinds (Q2_K, the other IQ kinds) run dequantized, as the model's
-dtype does.
+mostly Q5_1, its IQ4_XS mostly IQ4_NL. The other IQ kinds (IQ1, IQ2, IQ3: lattice codebooks) run dequantized, as
+the model's dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -46,16 +49,16 @@ import torch
 
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18, "Q3_K": 110, "Q4_K": 144,
-               "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # bytes a file block
+               "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q2_K": 84}  # bytes a file block
 BLOCK_VALUES = {kind: 256 if kind.endswith("_K") or kind == "IQ4_XS" else BLOCK for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
+MIXED_FORM = (8, True, torch.float32, 2)  # int8 q, a d and an m per 16 values: any kind's, exactly
 FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1),
          "Q5_0": (5, False, torch.float16, 1), "Q5_1": (5, True, torch.float32, 1),
          "Q8_0": (8, False, torch.float16, 1), "IQ4_NL": (8, False, torch.float16, 1),
          "Q3_K": (8, False, torch.float32, 2), "Q4_K": (4, True, torch.float32, 1),
          "Q5_K": (5, True, torch.float32, 1), "Q6_K": (8, False, torch.float32, 2),
-         "IQ4_XS": (8, False, torch.float32, 2)}  # BlockWeight.form by kind
-MIXED_FORM = (8, True, torch.float32, 2)  # int8 q, a d per 16 and an m per 32 values: any kind's, exactly
+         "IQ4_XS": (8, False, torch.float32, 2), "Q2_K": MIXED_FORM}  # BlockWeight.form by kind
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 PANEL = 32  # output columns per packed panel
 
@@ -152,8 +155,17 @@ def _iq4_xs(raw: np.ndarray) -> tuple:
     return np.repeat(d, 2, axis=-1), None, IQ4_VALUES[_fields(raw[..., 8:], 16, 4)]
 
 
+def _q2_k(raw: np.ndarray) -> tuple:
+    """q's bit pairs: bits 2j-2j+1 of byte 32h + l for value 128h + 32j + l; byte s of the first 16 holds sub-block
+    s's sc (low nibble) and mn (high); d sc_s and m = -dmin mn_s per 16 values (exact fp32 products)."""
+    sc, mn = (raw[..., :16] & 0x0F).astype(np.float32), (raw[..., :16] >> 4).astype(np.float32)
+    d, dmin = _fp16(raw, 80).astype(np.float32)[..., None], _fp16(raw, 82).astype(np.float32)[..., None]
+    return d * sc, -(dmin * mn), _fields(raw[..., 16:80], 32, 2).astype(np.int8)
+
+
 _FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl, "Q3_K": _q3_k,
-           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs}
+           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,
+           "Q2_K": _q2_k}
 
 
 def five_bit_records() -> bool:
@@ -185,8 +197,9 @@ class BlockWeight:
         raise NotImplementedError
 
     def fields(self) -> Fields:
-        """d [rows, cols / 32] (fp16 or fp32; [rows, cols / 32, 2] with a d per 16 values), m (as d, or None: the
-        signed forms) and q [rows, cols / 32, 32] (uint8 0-15 with m, else int8)."""
+        """d [rows, cols / 32] (fp16 or fp32; [rows, cols / 32, 2] with a d per 16 values), m (as d, [rows, cols /
+        32, 2] in the mixed form; or None: the signed forms) and q [rows, cols / 32, 32] (uint8 0-15 with m in the
+        4- and 5-bit forms, else int8)."""
         raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
@@ -194,7 +207,7 @@ class BlockWeight:
         d, m, q = self.fields()
         w = per_value(d.float()) * q.float()
         if m is not None:
-            w = w + m.float()[..., None]
+            w = w + per_value(m.float())
         return w.reshape(self.rows, -1)
 
     def pack(self, five_bits: bool | None = None) -> torch.Tensor:
@@ -210,7 +223,7 @@ class BlockWeight:
         def columns(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks, ...] -> [panels, blocks, 32 columns, ...]
             return t.reshape(panels, PANEL, blocks, *t.shape[2:]).transpose(1, 2)
 
-        # per panel and block: each set of d (one per 16 k for two) or m, the 32 columns' side by side
+        # per panel and block: each set of d (one per 16 k for two), then of m, the 32 columns' side by side
         scales = [columns(s.reshape(*s.shape[:2], -1)).transpose(2, 3).contiguous().view(torch.uint8)
                   .reshape(panels, blocks, -1) for s in (d, m) if s is not None]
         bits, offset = self.form[:2]
@@ -264,17 +277,22 @@ class GGUFWeight(BlockWeight):
     def fields(self) -> Fields:
         raw = self.data.numpy().reshape(self.rows, -1, BLOCK_BYTES[self.kind])
         d, m, q = _FIELDS[self.kind](raw)
-        d = d.reshape(self.rows, q.size // (self.rows * BLOCK), -1)
-        d = d[..., 0] if d.shape[-1] == 1 else d  # [rows, blocks], or [rows, blocks, 2] for a d per 16 values
-        m = None if m is None else torch.from_numpy(m.reshape(self.rows, -1))
-        return torch.from_numpy(d), m, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
+        blocks = q.size // (self.rows * BLOCK)
+        d, m = (None if t is None else torch.from_numpy(_per_block(t.reshape(self.rows, blocks, -1))) for t in (d, m))
+        return d, m, torch.from_numpy(q.reshape(self.rows, -1, BLOCK))
+
+
+def _per_block(t: np.ndarray) -> np.ndarray:
+    """Scales [rows, blocks, sets] as [rows, blocks] where a block of 32 has one set, else as they are (one per 16)."""
+    return t[..., 0] if t.shape[-1] == 1 else t
 
 
 def _in_mixed_form(fields: Fields) -> Fields:
-    """A weight's fields as MIXED_FORM's: d in fp32 twice a block where it has one set, m 0 where it has none."""
+    """A weight's fields as MIXED_FORM's: d and m in fp32 twice a block where it has one set, m 0 where it has none."""
     d, m, q = fields
-    d = d.float() if d.dim() == 3 else d.float()[..., None].expand(*d.shape, 2)
-    return d, d.new_zeros(d.shape[:2]) if m is None else m.float(), q.to(torch.int8)  # q of every kind fits int8
+    m = torch.zeros_like(d) if m is None else m
+    d, m = (t.float() if t.dim() == 3 else t.float()[..., None].expand(*t.shape, 2) for t in (d, m))
+    return d, m, q.to(torch.int8)  # q of every kind fits int8
 
 
 @dataclass(frozen=True)

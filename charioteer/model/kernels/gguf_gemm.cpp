@@ -18,13 +18,14 @@
 //   Q8_0 (1088 bytes): d[32] fp16, then 16 k pairs x 2 halves x 32 bytes, byte 2c + e holding q[2u + e];
 //   Q8_0 with two fp32 d a block (1280 bytes, for Q6_K's 16-value sub-blocks): d[32] of k 0-15, d[32] of
 //        k 16-31, then the int8 values as Q8_0's, summed in int32 per 16 k;
-//   mixed (1408 bytes): the two d as the last form's, then m[32] fp32, then the int8 values: any kind's
-//        values, for a fused weight whose parts share no other form (a Q4_K Q and K beside a Q6_K V).
+//   mixed (1536 bytes): the two d as the last form's, then m[32] fp32 of k 0-15 and of k 16-31, then the int8
+//        values: any kind's values (Q2_K's d and m per 16 values; a fused weight whose parts share no other
+//        form, as a Q4_K Q and K beside a Q6_K V).
 // So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4- and 5-bit forms, split into
 // nibbles) is 16 (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per
 // block of 32 (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and
 // column the int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x where there is
-// an m), in fp32, block after block in k order.
+// an m; in the mixed form each m times its 16 k's sum of x), in fp32, block after block in k order.
 // A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
 // vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd: the same int32 sums, as
 // no pair of products can overflow them with |x| <= 32767 and |q| <= 128).
@@ -50,7 +51,7 @@ constexpr int64_t kQ80HalvesRecord = 8 * kCols + kBlock * kCols;   // d of k 0-1
 constexpr int64_t kFifthBits = kBlock * kCols / 8;                     // bytes of a 5-bit record's fifth bits
 constexpr int64_t kQ50Record = 2 * kCols + kFifthBits + kBlock * kCols / 2;  // d, fifth bits, nibbles
 constexpr int64_t kQ51F32Record = 8 * kCols + kFifthBits + kBlock * kCols / 2;  // d, m (fp32), fifth bits, nibbles
-constexpr int64_t kMixedRecord = 12 * kCols + kBlock * kCols;                    // two d, m (fp32), int8 values
+constexpr int64_t kMixedRecord = 16 * kCols + kBlock * kCols;                    // two d, two m (fp32), int8 values
 
 // A record's form: its q as nibbles (with a fifth bit or not) or int8, with an offset m or not, its scales in
 // fp16 or fp32, one set of d per block of 32 k or (int8 q) one per 16.
@@ -61,6 +62,8 @@ template <Form F>
 constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32 || kFifth<F>;
 template <Form F>
 constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32 || F == Form::kQ51F32 || F == Form::kMixed;  // m
+template <Form F>
+constexpr int kOffsets = !kOffset<F> ? 0 : F == Form::kMixed ? 2 : 1;  // sets of m a block: one per set of d, or one
 template <Form F>
 constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ80 || F == Form::kQ50 ? 2 : 4;
 template <Form F>
@@ -138,8 +141,8 @@ inline Vec load_scales(const uint8_t* p) {  // kPairLanes columns' d or m
 }
 constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns in a k quad (Q4_1) or pair (Q8_0)
 
-// Rows [0, R) of x (int16 pairs, kp apart; scales and sums `blocks` apart) times one panel's `blocks`
-// records, into y's first `cols` columns, the int16 pairs' products summed by Sums::add.
+// Rows [0, R) of x (int16 pairs, kp apart; scales `blocks` apart, sums `blocks` * kOffsets apart) times one
+// panel's `blocks` records, into y's first `cols` columns, the int16 pairs' products summed by Sums::add.
 template <int R, Form F, typename Sums>
 __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int64_t kp, const float* xscale,
                                                       const float* xsum, int64_t blocks, const uint8_t* panel,
@@ -156,7 +159,7 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
       if constexpr (kNibbles<F>) {
-        const uint8_t* bits = rec + (kParts<F> + kOffset<F>) * scales;  // the fifth bits, after d (and m)
+        const uint8_t* bits = rec + (kParts<F> + kOffsets<F>) * scales;  // the fifth bits, after d (and m)
         const uint8_t* q = bits + (kFifth<F> ? kFifthBits : 0);
         for (int64_t u = 0; u < kBlock / 4; ++u)
           for (int v = 0; v < kVecs; ++v) {
@@ -179,7 +182,7 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
               sum[r][v] = Sums::add(Sums::add(sum[r][v], a, xp[r * kp + 2 * u]), c, xp[r * kp + 2 * u + 1]);
           }
       } else {
-        const uint8_t* q = rec + (kParts<F> + kOffset<F>) * scales;
+        const uint8_t* q = rec + (kParts<F> + kOffsets<F>) * scales;
         constexpr int64_t share = kBlock / 2 / kParts<F>;
         for (int64_t u = part * share; u < (part + 1) * share; ++u)
           for (int v = 0; v < kVecs; ++v) {
@@ -191,7 +194,10 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
         const Vec d = load_scales<F>(rec + part * scales + kScaleBytes<F> * kPairLanes * v);
         for (int r = 0; r < R; ++r)
           total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
-        if constexpr (kOffset<F>) {
+        if constexpr (kOffsets<F> == 2) {  // each set of d's own m, times its k's sum of x
+          const Vec m = load_scales<F>(rec + (kParts<F> + part) * scales + kScaleBytes<F> * kPairLanes * v);
+          for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[(r * blocks + b) * 2 + part]), total[r][v]);
+        } else if constexpr (kOffsets<F> == 1) {
           if (part + 1 == kParts<F>) {  // m after every set of d
             const Vec m = load_scales<F>(rec + kParts<F> * scales + kScaleBytes<F> * kPairLanes * v);
             for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[r * blocks + b]), total[r][v]);
@@ -236,20 +242,20 @@ template <Form F>
 constexpr RowKernels kRowsVnni = by_rows_vnni<F>(std::make_integer_sequence<int, kMaxRows>());
 #endif
 
-// What gguf_linear needs of a form, found by its record's size: whether it has an offset m (then x's block
-// sums are needed) and its row kernels (the AVX-512 build's also with vpdpwssd).
+// What gguf_linear needs of a form, found by its record's size: its sets of m a block (x's sums over each
+// set's k are needed) and its row kernels (the AVX-512 build's also with vpdpwssd).
 struct FormKernels {
   int64_t record;
-  bool offset;
+  int offsets;
   const RowKernels* rows;
   const RowKernels* rows_vnni;  // nullptr in the AVX2 build
 };
 template <Form F>
 constexpr FormKernels form_kernels() {
 #if defined(__AVX512F__)
-  return {kRecord<F>, kOffset<F>, &kRows<F>, &kRowsVnni<F>};
+  return {kRecord<F>, kOffsets<F>, &kRows<F>, &kRowsVnni<F>};
 #else
-  return {kRecord<F>, kOffset<F>, &kRows<F>, nullptr};
+  return {kRecord<F>, kOffsets<F>, &kRows<F>, nullptr};
 #endif
 }
 constexpr std::array<FormKernels, 7> kForms = {form_kernels<Form::kQ41>(),    form_kernels<Form::kQ80>(),
@@ -280,14 +286,23 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #endif
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool offset = form->offset;  // an m: x's block sums are needed
+  const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = k / 2;
   auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
   auto xscale = torch::empty({m, blocks}, x.options());
-  auto xsum = torch::empty({offset ? m : 0, blocks}, x.options());  // the blocks' sums of x, for the m terms
-  float* sums = offset ? xsum.data_ptr<float>() : nullptr;
+  auto xsum = torch::empty({offsets ? m : 0, blocks * offsets}, x.options());  // the sums of x, for the m terms
+  float* sums = offsets ? xsum.data_ptr<float>() : nullptr;
   quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
-                sums);
+                offsets == 1 ? sums : nullptr);
+  if (offsets == 2) {  // per 16 values, one fp32 addition after another as quantize_rows sums its blocks
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t h = 0; h < 2 * blocks; ++h) {
+        float sum = 0.f;
+        for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += xp[r * x.stride(0) + i];
+        sums[r * 2 * blocks + h] = sum;
+      }
+  }
   const int32_t* pp = pairs.data_ptr<int32_t>();
   const float* xs = xscale.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -299,7 +314,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       const int64_t cols = std::min(n - j * kCols, kCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
-        const float* row_sums = sums ? sums + r0 * blocks : nullptr;
+        const float* row_sums = sums ? sums + r0 * blocks * offsets : nullptr;
         kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, row_sums, blocks, w + j * panel_bytes,
                      out + r0 * n + j * kCols, n, cols);
       }
