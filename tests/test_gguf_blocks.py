@@ -33,8 +33,8 @@ def test_the_default_files_blocks_dequantize_to_the_loaders_weights(default_mode
 
 
 def test_blocks_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="kind 'IQ2_XXS' is none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K"):
-        GGUFWeight("IQ2_XXS", torch.zeros(2, 66, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="kind 'TQ1_0' is none of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K"):
+        GGUFWeight("TQ1_0", torch.zeros(2, 54, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \[rows, blocks \* 20\]"):
         GGUFWeight("Q4_1", torch.zeros(2, 21, dtype=torch.uint8))
     q41 = GGUFWeight("Q4_1", torch.zeros(2, 20, dtype=torch.uint8))
@@ -97,15 +97,19 @@ def test_fused_parts_of_any_kinds_run_as_each_alone(isa, monkeypatch):
     assert torch.all((y[:, :72] - torch.cat(alone[:3], dim=1)).abs() <= 1e-6 * _magnitude(x, five))
 
 
-def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> GGUFWeight:
-    """`blocks` of the file's blocks per row (256 values each for the K kinds and IQ4_XS, else 32), random but
-    for finite scales."""
+def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator, scale: float = 0.05) -> GGUFWeight:
+    """`blocks` of the file's blocks per row (256 values each but for the 32 of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+    IQ4_NL), random but for finite scales (d and m or dmin up to `scale`)."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, size=(rows, blocks, 2)).astype(np.float16)  # d and m or dmin: moderate
+    scales = rng.uniform(-scale, scale, size=(rows, blocks, 2)).astype(np.float16)
     d_at, m_at = {"Q6_K": (-2, None), "Q3_K": (-2, None), "Q2_K": (80, 82)}.get(kind, (0, 2))
     raw[..., d_at:None if d_at == -2 else d_at + 2] = scales[..., :1].view(np.uint8)
     if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"):
         raw[..., m_at:m_at + 2] = scales[..., 1:].view(np.uint8)
+    if kind == "IQ1_M":  # its d's four nibbles are the top nibbles of the four uint16 at byte 48
+        d = scales[..., 0].view(np.uint16).astype(np.uint16)
+        words = raw[..., 48:56].copy().view(np.uint16) & 0x0FFF
+        raw[..., 48:56] = (words | np.stack([(d >> 4 * i & 0xF) << 12 for i in range(4)], -1)).view(np.uint8)
     return GGUFWeight(kind, torch.from_numpy(raw.reshape(rows, -1)))
 
 
@@ -212,7 +216,8 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_gguf_needs_a_gguf_file():
-    kinds = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K"
+    kinds = ("Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K, IQ1_S, IQ1_M, IQ2_XXS, "
+             "IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S")
     with pytest.raises(ValueError, match=f"runs a GGUF file's own {kinds} blocks"):
         LLM("synthetic:tiny", quantization="gguf")
 
@@ -386,6 +391,31 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, ki
     packed = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
     five = {704} if five_bit_records() and kinds is Q4_K_M_KINDS else set()  # the Q5_0 gate/up
     assert packed == records | five
+    fp32 = LLM(loaded, enable_prefix_caching=False)
+    prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ours, reference = ([o.outputs[0].token_ids for o in x.generate(prompts, params)] for x in (llm, fp32))
+    assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+
+
+@needs_kernel
+def test_lattice_kinds_run_in_the_model_on_their_blocks(default_model):
+    """IQ1-IQ3 down projections (random codebook entries at a small scale: there is no quantizer for them here)
+    run on their blocks as int8 q with a scale per 16 values, in the one-call decode too, with greedy tokens
+    mostly those of fp32 on the same weights."""
+    rng = np.random.default_rng(7)
+    blocks, state = {}, dict(default_model.state_dict)
+    for layer, kind in enumerate(["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        rows, cols = state[name].shape
+        blocks[name] = _random_blocks(kind, rows, cols // 256, rng, scale=2e-4)  # values about a tenth of the weights
+        state[name] = blocks[name].dequantize()
+    loaded = dataclasses.replace(default_model, state_dict=state, gguf_blocks=blocks)
+    llm = LLM(loaded, quantization="gguf", enable_prefix_caching=False)
+    model = llm.engine.model
+    downs = [layer["down"] for layer in model.linears]
+    assert all(isinstance(lin, GGUFLinear) and lin.panels.shape[-1] == 1280 for lin in downs[:7])
+    assert model.decode_layers is not None
     fp32 = LLM(loaded, enable_prefix_caching=False)
     prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(temperature=0, max_tokens=12)

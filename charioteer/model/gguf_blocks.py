@@ -29,14 +29,19 @@ scale d (and in the mixed form an m, both per 16 values), d and m in fp16 or fp3
 - Q2_K (84 bytes a super-block of 256): sixteen bytes of a 4-bit scale sc (low nibble) and a 4-bit min mn (high
   nibble), 64 bytes of 2-bit q, fp16 d and dmin; w = d sc_s q - dmin mn_s for s = i / 16: run in the mixed form
   (int8 q with an fp32 d and m per 16 values).
+- The lattice kinds IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (50 to 110 bytes a super-block of
+  256): each 8 or 4 values an index into a codebook of small integers (with signs, and IQ1's shift of 1/8), and a
+  scale per 16 or 32 values from an fp16 d and a few bits; every value is an integer of at most 62 times its
+  scale (1/8 of it for IQ1). gguf-py's dequantize gives the values (its codebooks), the scale comes from the
+  block's bytes, and their quotient is the int8 q: run as Q6_K, checked exact when read.
 Each form's values are exactly the file's (the products d sc_s, dmin mn_s, 8 d and d (ls - 32) are exact in
 fp32), so `dequantize` gives the loader's fp32 weight. Q4_0 and Q4_K with fp32 scales read 0.75 bytes a weight
 (the file: 0.56), Q5_1 and Q5_K 0.88 (0.75, 0.69), Q6_K 1.13 (0.82), Q3_K 1.13 (0.43), IQ4_NL 1.06 (0.56), IQ4_XS
 1.25 (0.53), Q2_K 1.5 (0.33); Q5_0 its own 0.69, or 1.06 as int8 in a weight fused with Q8_0 parts. The default
 model's file holds its linear layers in Q4_1 and its embedding (the tied LM head) in Q8_0; llama.cpp's Q4_K_M of it is
 mostly Q5_0 and Q8_0 (its 576 columns are no multiple of 256), with Q4_K and Q6_K down projections, its Q5_K_M
-mostly Q5_1, its IQ4_XS mostly IQ4_NL. The other IQ kinds (IQ1, IQ2, IQ3: lattice codebooks) run dequantized, as
-the model's dtype does.
+mostly Q5_1, its IQ4_XS mostly IQ4_NL. The lattice kinds read 1.25 bytes a weight (their files 0.20 to 0.43).
+Other kinds (F16, BF16, the ternary TQ kinds) run dequantized, as the model's dtype does.
 `pack` regroups a weight for cpu_kernels.gguf_linear.
 """
 from __future__ import annotations
@@ -50,7 +55,10 @@ import torch
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18, "Q3_K": 110, "Q4_K": 144,
                "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q2_K": 84}  # bytes a file block
-BLOCK_VALUES = {kind: 256 if kind.endswith("_K") or kind == "IQ4_XS" else BLOCK for kind in BLOCK_BYTES}
+LATTICE_BYTES = {"IQ1_S": 50, "IQ1_M": 56, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82, "IQ3_XXS": 98, "IQ3_S": 110}
+BLOCK_BYTES.update(LATTICE_BYTES)
+SMALL_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # blocks of 32 values; the others' hold 256
+BLOCK_VALUES = {kind: BLOCK if kind in SMALL_BLOCKS else 256 for kind in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
 MIXED_FORM = (8, True, torch.float32, 2)  # int8 q, a d and an m per 16 values: any kind's, exactly
 FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1),
@@ -58,7 +66,8 @@ FORMS = {"Q4_0": (4, True, torch.float32, 1), "Q4_1": (4, True, torch.float16, 1
          "Q8_0": (8, False, torch.float16, 1), "IQ4_NL": (8, False, torch.float16, 1),
          "Q3_K": (8, False, torch.float32, 2), "Q4_K": (4, True, torch.float32, 1),
          "Q5_K": (5, True, torch.float32, 1), "Q6_K": (8, False, torch.float32, 2),
-         "IQ4_XS": (8, False, torch.float32, 2), "Q2_K": MIXED_FORM}  # BlockWeight.form by kind
+         "IQ4_XS": (8, False, torch.float32, 2), "Q2_K": MIXED_FORM,
+         **{kind: (8, False, torch.float32, 2) for kind in LATTICE_BYTES}}  # BlockWeight.form by kind
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 PANEL = 32  # output columns per packed panel
 
@@ -163,9 +172,61 @@ def _q2_k(raw: np.ndarray) -> tuple:
     return d * sc, -(dmin * mn), _fields(raw[..., 16:80], 32, 2).astype(np.int8)
 
 
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """Bytes [..., n] -> their 2n nibbles, each byte's low one first."""
+    return np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(*raw.shape[:-1], -1).astype(np.float32)
+
+
+def _uint(raw: np.ndarray, dtype) -> np.ndarray:
+    return raw.copy().view(dtype)
+
+
+def _iq1_m_d(raw: np.ndarray) -> np.ndarray:
+    """IQ1_M's fp16 d, its four nibbles the top nibbles of the four uint16 at byte 48."""
+    top = _uint(raw[..., 48:56], np.uint16) >> 12
+    return (top[..., 0] | top[..., 1] << 4 | top[..., 2] << 8 | top[..., 3] << 12).view(np.float16).astype(np.float32)
+
+
+# Each lattice kind's scale per 16 values [..., 16] from its super-blocks' bytes [..., bytes], as gguf-py scales
+# (IQ1's divided by 8: its values are a codebook integer plus or minus 1/8).
+def _per_32(unit: np.ndarray) -> np.ndarray:
+    return np.repeat(unit, 2, axis=-1)
+
+
+_LATTICE_UNITS = {
+    "IQ2_XXS": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+                                 * (0.5 + (_uint(r[..., 2:66], np.uint32)[..., 1::2] >> 28).astype(np.float32)) * 0.25),
+    "IQ2_XS": lambda r: _fp16(r, 0).astype(np.float32)[..., None] * (0.5 + _nibbles(r[..., 66:74])) * 0.25,
+    "IQ2_S": lambda r: _fp16(r, 0).astype(np.float32)[..., None] * (0.5 + _nibbles(r[..., 74:82])) * 0.25,
+    "IQ3_XXS": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+                                 * (0.5 + (_uint(r[..., 66:98], np.uint32) >> 28).astype(np.float32)) * 0.5),
+    "IQ3_S": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None] * (1 + 2 * _nibbles(r[..., 106:110]))),
+    "IQ1_S": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+                               * (2 * ((_uint(r[..., 34:50], np.uint16) >> 12) & 7) + 1).astype(np.float32) / 8),
+    "IQ1_M": lambda r: _iq1_m_d(r)[..., None] * (2 * ((_uint(r[..., 48:56], np.uint16)[..., None]
+                                                       >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7)
+                                                  .reshape(*r.shape[:-1], 16) + 1).astype(np.float32) / 8,
+}
+
+
+def _lattice(kind: str):
+    def fields(raw: np.ndarray) -> tuple:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(raw.reshape(-1, raw.shape[-1]), GGMLQuantizationType[kind])
+        w = values.reshape(*raw.shape[:-1], 16, 16)
+        unit = _LATTICE_UNITS[kind](raw).astype(np.float32)[..., None]  # [..., 16, 1]
+        q = np.round(np.divide(w, unit, out=np.zeros_like(w), where=unit != 0))
+        if np.abs(q).max(initial=0) > 127 or not np.array_equal(q * unit, w):
+            raise ValueError(f"{kind} blocks whose values are not int8 multiples of their scales")
+        return unit[..., 0], None, q.astype(np.int8)
+    return fields
+
+
 _FIELDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl, "Q3_K": _q3_k,
            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,
-           "Q2_K": _q2_k}
+           "Q2_K": _q2_k, **{kind: _lattice(kind) for kind in LATTICE_BYTES}}
 
 
 def five_bit_records() -> bool:
