@@ -247,25 +247,32 @@ def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, ke
         assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
 
 
-def _q4_k_bytes(w: np.ndarray, fifth_bit: bool = False) -> np.ndarray:
-    """w [rows, cols] (cols a multiple of 256) in Q4_K blocks (Q5_K with `fifth_bit`), by a plain rounding (not
-    llama.cpp's search): each sub-block's range and min on the 6-bit grids of its super-block's d and dmin.
-    gguf-py has no K-quant quantizer."""
-    rows, top = w.shape[0], 31 if fifth_bit else 15
-    sub = w.reshape(rows, -1, 8, 32).astype(np.float32)
+def _on_min_and_range(sub: np.ndarray, levels: int, grid_top: int, rounding=np.round) -> tuple:
+    """Sub-blocks [rows, blocks, subs, n] as the K kinds with a min (Q4_K, Q5_K, Q2_K) hold them: each one's range /
+    `levels` and -min (the min at most 0) on 0..`grid_top` grids of its super-block's fp16 d and dmin (`rounding`
+    them), and its q (0..levels) by a plain rounding. Returns d, dmin, sc, mn and q."""
     low = np.minimum(sub.min(-1), 0)
-    step, mins = (sub.max(-1) - low) / top, -low  # per sub-block
-    d, dmin = (step.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+    step, mins = (sub.max(-1) - low) / levels, -low
+    d, dmin = (step.max(-1) / grid_top).astype(np.float16), (mins.max(-1) / grid_top).astype(np.float16)
 
-    def grid(v, unit):  # v / unit rounded to 0..63, 0 where the unit is
+    def grid(v, unit):  # v / unit on 0..grid_top, 0 where the unit is
         unit = unit.astype(np.float32)[..., None]
-        return np.clip(np.round(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0)), 0, 63).astype(np.uint8)
+        on_grid = rounding(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0))
+        return np.clip(on_grid, 0, grid_top).astype(np.uint8)
 
     sc, mn = grid(step, d), grid(mins, dmin)
     scale = (d.astype(np.float32)[..., None] * sc)[..., None]
     offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
     q = np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0))
-    q = np.clip(q, 0, top).astype(np.uint8)
+    return d, dmin, sc, mn, np.clip(q, 0, levels).astype(np.uint8)
+
+
+def _q4_k_bytes(w: np.ndarray, fifth_bit: bool = False) -> np.ndarray:
+    """w [rows, cols] (cols a multiple of 256) in Q4_K blocks (Q5_K with `fifth_bit`), by a plain rounding (not
+    llama.cpp's search): each sub-block's range and min on the 6-bit grids of its super-block's d and dmin.
+    gguf-py has no K-quant quantizer."""
+    rows, top = w.shape[0], 31 if fifth_bit else 15
+    d, dmin, sc, mn, q = _on_min_and_range(w.reshape(rows, -1, 8, 32).astype(np.float32), top, 63)
     packed = np.concatenate([(sc[..., :4] & 63) | (sc[..., 4:] >> 4 << 6), (mn[..., :4] & 63) | (mn[..., 4:] >> 4 << 6),
                              (sc[..., 4:] & 15) | (mn[..., 4:] << 4)], axis=-1)
     nibbles = (q & 15).reshape(rows, -1, 4, 2, 32)  # sub-blocks 2g and 2g + 1 in the low and high nibbles of 32 bytes
@@ -309,20 +316,9 @@ def _q2_k_bytes(w: np.ndarray) -> np.ndarray:
     """w [rows, cols] (cols a multiple of 256) in Q2_K blocks, by a plain rounding: each 16 values' range / 3 and
     min on the 4-bit grids of its super-block's d and dmin."""
     rows = w.shape[0]
-    sub = w.reshape(rows, -1, 16, 16).astype(np.float32)
-    low = np.minimum(sub.min(-1), 0)
-    step, mins = (sub.max(-1) - low) / 3, -low
-    d, dmin = (step.max(-1) / 15).astype(np.float16), (mins.max(-1) / 15).astype(np.float16)
-
-    def grid(v, unit):  # v / unit rounded up to 0..15 (a step never too small), 0 where the unit is
-        unit = unit.astype(np.float32)[..., None]
-        return np.clip(np.ceil(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0)), 0, 15).astype(np.uint8)
-
-    sc, mn = grid(step, d), grid(mins, dmin)
-    scale = (d.astype(np.float32)[..., None] * sc)[..., None]
-    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
-    q = np.round(np.divide(sub + offset, scale, out=np.zeros_like(sub), where=scale > 0))
-    q = np.clip(q, 0, 3).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # value 128h + 32j + l: byte 32h + l, pair j
+    # scales rounded up: a step never too small for its range
+    d, dmin, sc, mn, q = _on_min_and_range(w.reshape(rows, -1, 16, 16).astype(np.float32), 3, 15, np.ceil)
+    q = q.reshape(rows, -1, 2, 4, 32)  # value 128h + 32j + l: byte 32h + l, bit pair j
     qs = (q[..., 0, :] | q[..., 1, :] << 2 | q[..., 2, :] << 4 | q[..., 3, :] << 6).reshape(rows, -1, 64)
     return np.concatenate([sc | mn << 4, qs, d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)],
                           axis=-1).reshape(rows, -1)
