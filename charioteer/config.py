@@ -64,7 +64,7 @@ class LoadConfig:
                    "computes it natively: AMX or AVX512-BF16; float32 elsewhere)", choices=DTYPES)
     quantization: str | None = setting(
         None, "int8: weight-only int8 linear layers, one scale per output channel; gguf: a GGUF "
-        "file's own blocks (the K, IQ and legacy kinds but TQ; default: none)",
+        "file's own quantized blocks, every kind but the ternary TQ ones (default: none)",
         choices=QUANTIZATIONS)
     batch_invariant: bool = setting(
         False, "bitwise batch-invariant outputs: a request's tokens and logprobs do not depend on the rest of its "
