@@ -187,12 +187,13 @@ def _iq1_m_d(raw: np.ndarray) -> np.ndarray:
     return (top[..., 0] | top[..., 1] << 4 | top[..., 2] << 8 | top[..., 3] << 12).view(np.float16).astype(np.float32)
 
 
-# Each lattice kind's scale per 16 values [..., 16] from its super-blocks' bytes [..., bytes], as gguf-py scales
-# (IQ1's divided by 8: its values are a codebook integer plus or minus 1/8).
 def _per_32(unit: np.ndarray) -> np.ndarray:
+    """Scales per 32 values [..., n] as scales per 16 [..., 2n]."""
     return np.repeat(unit, 2, axis=-1)
 
 
+# Each lattice kind's scale per 16 values [..., 16] from its super-blocks' bytes [..., bytes], as gguf-py scales
+# (IQ1's divided by 8: its values are a codebook integer plus or minus 1/8).
 _LATTICE_UNITS = {
     "IQ2_XXS": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
                                  * (0.5 + (_uint(r[..., 2:66], np.uint32)[..., 1::2] >> 28).astype(np.float32)) * 0.25),
