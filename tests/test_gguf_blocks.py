@@ -102,8 +102,8 @@ def _random_blocks(kind: str, rows: int, blocks: int, rng: np.random.Generator, 
     IQ4_NL), random but for finite scales (d and m or dmin up to `scale`)."""
     raw = rng.integers(0, 256, size=(rows, blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = rng.uniform(-scale, scale, size=(rows, blocks, 2)).astype(np.float16)
-    d_at, m_at = {"Q6_K": (-2, None), "Q3_K": (-2, None), "Q2_K": (80, 82)}.get(kind, (0, 2))
-    raw[..., d_at:None if d_at == -2 else d_at + 2] = scales[..., :1].view(np.uint8)
+    d_at, m_at = {"Q6_K": (208, None), "Q3_K": (108, None), "Q2_K": (80, 82)}.get(kind, (0, 2))  # fp16 d, m or dmin
+    raw[..., d_at:d_at + 2] = scales[..., :1].view(np.uint8)
     if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"):
         raw[..., m_at:m_at + 2] = scales[..., 1:].view(np.uint8)
     if kind == "IQ1_M":  # its d's four nibbles are the top nibbles of the four uint16 at byte 48
