@@ -3,7 +3,10 @@
 //
 // Work is split over (request, KV head) pairs; each pair computes the scores of the query heads
 // that share the KV head (grouped-query attention), a softmax with a vectorised exp, and the
-// weighted sum of V rows.
+// weighted sum of V rows. Threads take the pairs longest context first, one at a time (a static
+// split of a batch's mixed lengths left one thread idle for a sixth of the call), and while a pair
+// sums its V rows, which are in L2 by then, the thread prefetches the K rows of its next pair, so
+// its memory stream does not pause. Which thread computes a pair does not change its bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -12,6 +15,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -31,12 +35,21 @@ inline void prefetch_row(const T* row, int dim, int hint) {
   }
 }
 
+// The K rows a thread reads next (its next pair's), prefetched into L2 while the current pair sums V.
+template <typename T>
+struct NextRows {
+  const T* k = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t length = 0;
+};
+
 // Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
 // G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
 // so K rows are prefetched a few rows ahead and V rows into L2 during the score pass.
 template <int Dim, int G, typename T>
 void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int64_t row_stride,
-                  const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
+                  const int64_t* slots, int64_t length, float scale, float* out, float* scores,
+                  const NextRows<T>& next) {
   constexpr int C = Dim / kLanes;
   Vec qv[G][C];
   for (int j = 0; j < G; ++j)
@@ -73,6 +86,7 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) acc[j][c] = vzero();
   for (int64_t t = 0; t < length; ++t) {
+    if (t < next.length) prefetch_row(next.k + next.slots[t] * row_stride, Dim, 1);
     const T* vr = v + slots[t] * row_stride;
     Vec vv[C];
     for (int c = 0; c < C; ++c) vv[c] = vload_row(vr + kLanes * c);
@@ -85,17 +99,18 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
     for (int c = 0; c < C; ++c) vstore(out + j * Dim + kLanes * c, vmul(acc[j][c], vset1(inv[j])));
 }
 
-// All `heads` query heads that share one KV head, kMaxGroup at a time.
+// All `heads` query heads that share one KV head, kMaxGroup at a time (the last group prefetches `next`).
 template <int Dim, typename T>
 void attend(const float* q, int64_t q_stride, int64_t heads, const T* k, const T* v, int64_t row_stride,
-            const int64_t* slots, int64_t length, float scale, float* out, float* scores) {
+            const int64_t* slots, int64_t length, float scale, float* out, float* scores, const NextRows<T>& next) {
   using Fn = void (*)(const float*, int64_t, const T*, const T*, int64_t, const int64_t*, int64_t, float,
-                      float*, float*);
+                      float*, float*, const NextRows<T>&);
   static constexpr Fn by_size[kMaxGroup] = {attend_group<Dim, 1, T>, attend_group<Dim, 2, T>, attend_group<Dim, 3, T>,
                                             attend_group<Dim, 4, T>};
   for (int64_t j = 0; j < heads; j += kMaxGroup) {
     const int64_t g = std::min<int64_t>(kMaxGroup, heads - j);
-    by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim, scores);
+    by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim, scores,
+                   j + g < heads ? NextRows<T>{} : next);
   }
 }
 
@@ -103,14 +118,24 @@ void attend(const float* q, int64_t q_stride, int64_t heads, const T* k, const T
 template <typename T>
 void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const int64_t* sp, const int64_t* len,
                 int64_t decodes, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, float* op) {
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim, pairs = decodes * kv_heads;
   const auto fn = dim == 64 ? attend<64, T> : attend<128, T>;
-  at::parallel_for(0, decodes * kv_heads, 1, [&](int64_t first, int64_t last) {
+  std::vector<int64_t> order(pairs);  // longest context first
+  for (int64_t i = 0; i < pairs; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pairs), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t d = i / kv_heads, g = i % kv_heads;
+    for (int64_t current = taken.fetch_add(1), following; current < pairs; current = following) {
+      following = taken.fetch_add(1);
+      NextRows<T> next;
+      if (following < pairs) {
+        const int64_t d = order[following] / kv_heads, g = order[following] % kv_heads;
+        next = {kp + g * dim, sp + d * width, len[d]};
+      }
+      const int64_t d = order[current] / kv_heads, g = order[current] % kv_heads;
       fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
-         scale, op + (d * heads + g * group) * dim, scores.data());
+         scale, op + (d * heads + g * group) * dim, scores.data(), next);
     }
   });
 }
