@@ -122,7 +122,8 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   const auto fn = dim == 64 ? attend<64, T> : attend<128, T>;
   std::vector<int64_t> order(pairs);  // longest context first
   for (int64_t i = 0; i < pairs; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
   std::atomic<int64_t> taken{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pairs), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
