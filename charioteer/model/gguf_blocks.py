@@ -96,6 +96,11 @@ def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
     return raw[..., at:at + 2].copy().view(np.float16)[..., 0]
 
 
+def _scale(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 scale at byte `at` in fp32, [..., 1]: to multiply a super-block's per-sub-block factors."""
+    return _fp16(raw, at).astype(np.float32)[..., None]
+
+
 # Each kind's blocks [rows, blocks, bytes] -> its d, m (or None) and q in a kernel form, as numpy arrays of the
 # values in order (GGUFWeight.fields shapes them).
 def _q8_0(raw: np.ndarray) -> tuple:
@@ -128,8 +133,8 @@ def _iq4_nl(raw: np.ndarray) -> tuple:
 def _k_scales_and_mins(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's and Q5_K's per sub-block d sc_s and m = -dmin mn_s (exact fp32 products) from their first 16 bytes."""
     scales, mins = _q4_k_scales(raw[..., 4:16])
-    d = _fp16(raw, 0).astype(np.float32)[..., None] * scales.astype(np.float32)
-    return d, -(_fp16(raw, 2).astype(np.float32)[..., None] * mins.astype(np.float32))
+    d = _scale(raw, 0) * scales.astype(np.float32)
+    return d, -(_scale(raw, 2) * mins.astype(np.float32))
 
 
 def _q4_k(raw: np.ndarray) -> tuple:
@@ -144,7 +149,7 @@ def _q6_k(raw: np.ndarray) -> tuple:
     """Values 0-127 and 128-255 of a super-block each from 64 bytes of low nibbles (the 64 low, then the 64 high)
     and 32 bytes of high bit pairs (bits 0-1, 2-3, 4-5, 6-7 for values 32 apart); a d per 16 values."""
     q = (_fields(raw[..., :128], 64, 4) | (_fields(raw[..., 128:192], 32, 2) << 4)).astype(np.int8) - 32
-    return _fp16(raw, 208).astype(np.float32)[..., None] * raw[..., 192:208].view(np.int8), None, q
+    return _scale(raw, 208) * raw[..., 192:208].view(np.int8), None, q
 
 
 def _q3_k(raw: np.ndarray) -> tuple:
@@ -153,14 +158,14 @@ def _q3_k(raw: np.ndarray) -> tuple:
     8 + s % 4's pair s / 4; sc - 32 scales 16 values."""
     q = _fields(raw[..., 32:96], 32, 2).astype(np.int8) - 4 * (1 - _fields(raw[..., :32], 32, 1).astype(np.int8))
     sc = (_fields(raw[..., 96:104], 8, 4) | _fields(raw[..., 104:108], 4, 2) << 4).astype(np.float32) - 32
-    return _fp16(raw, 108).astype(np.float32)[..., None] * sc, None, q
+    return _scale(raw, 108) * sc, None, q
 
 
 def _iq4_xs(raw: np.ndarray) -> tuple:
     """Sub-block s's 6-bit ls: its low 4 bits in nibble s % 2 of byte 4 + s / 2, its top 2 in bits 2s-2s+1 of the
     uint16 at byte 2; then IQ4_NL's indices, 16 bytes a sub-block."""
     ls = (_fields(raw[..., 4:8], 1, 4) | _fields(raw[..., 2:4], 1, 2) << 4).astype(np.float32) - 32
-    d = _fp16(raw, 0).astype(np.float32)[..., None] * ls
+    d = _scale(raw, 0) * ls
     return np.repeat(d, 2, axis=-1), None, IQ4_VALUES[_fields(raw[..., 8:], 16, 4)]
 
 
@@ -168,7 +173,7 @@ def _q2_k(raw: np.ndarray) -> tuple:
     """q's bit pairs: bits 2j-2j+1 of byte 32h + l for value 128h + 32j + l; byte s of the first 16 holds sub-block
     s's sc (low nibble) and mn (high); d sc_s and m = -dmin mn_s per 16 values (exact fp32 products)."""
     sc, mn = (raw[..., :16] & 0x0F).astype(np.float32), (raw[..., :16] >> 4).astype(np.float32)
-    d, dmin = _fp16(raw, 80).astype(np.float32)[..., None], _fp16(raw, 82).astype(np.float32)[..., None]
+    d, dmin = _scale(raw, 80), _scale(raw, 82)
     return d * sc, -(dmin * mn), _fields(raw[..., 16:80], 32, 2).astype(np.int8)
 
 
@@ -195,14 +200,14 @@ def _per_32(unit: np.ndarray) -> np.ndarray:
 # Each lattice kind's scale per 16 values [..., 16] from its super-blocks' bytes [..., bytes], as gguf-py scales
 # (IQ1's divided by 8: its values are a codebook integer plus or minus 1/8).
 _LATTICE_UNITS = {
-    "IQ2_XXS": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+    "IQ2_XXS": lambda r: _per_32(_scale(r, 0)
                                  * (0.5 + (_uint(r[..., 2:66], np.uint32)[..., 1::2] >> 28).astype(np.float32)) * 0.25),
-    "IQ2_XS": lambda r: _fp16(r, 0).astype(np.float32)[..., None] * (0.5 + _nibbles(r[..., 66:74])) * 0.25,
-    "IQ2_S": lambda r: _fp16(r, 0).astype(np.float32)[..., None] * (0.5 + _nibbles(r[..., 74:82])) * 0.25,
-    "IQ3_XXS": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+    "IQ2_XS": lambda r: _scale(r, 0) * (0.5 + _nibbles(r[..., 66:74])) * 0.25,
+    "IQ2_S": lambda r: _scale(r, 0) * (0.5 + _nibbles(r[..., 74:82])) * 0.25,
+    "IQ3_XXS": lambda r: _per_32(_scale(r, 0)
                                  * (0.5 + (_uint(r[..., 66:98], np.uint32) >> 28).astype(np.float32)) * 0.5),
-    "IQ3_S": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None] * (1 + 2 * _nibbles(r[..., 106:110]))),
-    "IQ1_S": lambda r: _per_32(_fp16(r, 0).astype(np.float32)[..., None]
+    "IQ3_S": lambda r: _per_32(_scale(r, 0) * (1 + 2 * _nibbles(r[..., 106:110]))),
+    "IQ1_S": lambda r: _per_32(_scale(r, 0)
                                * (2 * ((_uint(r[..., 34:50], np.uint16) >> 12) & 7) + 1).astype(np.float32) / 8),
     "IQ1_M": lambda r: _iq1_m_d(r)[..., None] * (2 * ((_uint(r[..., 48:56], np.uint16)[..., None]
                                                        >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7)
