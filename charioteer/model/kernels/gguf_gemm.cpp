@@ -79,6 +79,7 @@ using IVec = __m512i;
 using Bytes = __m256i;  // what one IVec widens from
 constexpr int kPairLanes = 16;
 constexpr int kMaxRows = 8;  // rows per pass over a record: 8 x 2 int32 sums in registers
+constexpr bool kPrefetch = true;  // prefetch_ahead as the weight streams (kernels.h)
 inline Bytes load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const Bytes*>(p)); }
 inline IVec widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(load_bytes(p)); }
 inline IVec widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi16(load_bytes(p)); }
@@ -111,6 +112,7 @@ using IVec = __m256i;
 using Bytes = __m128i;
 constexpr int kPairLanes = 8;
 constexpr int kMaxRows = 4;  // 4 x 4 int32 sums: AVX2 has half the registers
+constexpr bool kPrefetch = false;  // at half the width the kernel is bound by its arithmetic: 0.94-0.98x with it
 inline Bytes load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const Bytes*>(p)); }
 inline IVec widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(load_bytes(p)); }
 inline IVec widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi16(load_bytes(p)); }
@@ -143,16 +145,19 @@ constexpr int64_t kStep = 2 * kCols / kVecs;    // bytes of one vector's columns
 
 // Rows [0, R) of x (int16 pairs, kp apart; scales `blocks` apart, sums `blocks` * kOffsets apart) times one
 // panel's `blocks` records, into y's first `cols` columns, the int16 pairs' products summed by Sums::add.
+// `stream`: the panel comes from memory (the first row block), to prefetch ahead; later ones find it in L2.
 template <int R, Form F, typename Sums>
 __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int64_t kp, const float* xscale,
                                                       const float* xsum, int64_t blocks, const uint8_t* panel,
-                                                      float* y, int64_t ldy, int64_t cols) {
+                                                      bool stream, float* y, int64_t ldy, int64_t cols) {
   constexpr int64_t record = kRecord<F>, scales = kScaleBytes<F> * kCols;  // bytes of one set of d (or m)
   Vec total[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) total[r][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * record;
+    if (stream)
+      for (int64_t line = 0; line < record; line += 64) prefetch_ahead(rec + line);
     const int32_t* xp = pairs + b * kBlock / 2;
     for (int part = 0; part < kParts<F>; ++part) {  // the k (pairs or quads) its d scales
       IVec sum[R][kVecs];
@@ -212,12 +217,12 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
 
 template <int R, Form F>
 void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
-                const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
-  panel_body<R, F, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+                const uint8_t* panel, bool stream, float* y, int64_t ldy, int64_t cols) {
+  panel_body<R, F, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, stream, y, ldy, cols);
 }
 
-using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, float*,
-                           int64_t, int64_t);
+using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, bool,
+                           float*, int64_t, int64_t);
 using RowKernels = std::array<PanelRows, kMaxRows + 1>;  // by row count, 1 to kMaxRows
 
 template <Form F, int... R>
@@ -230,8 +235,9 @@ constexpr RowKernels kRows = by_rows<F>(std::make_integer_sequence<int, kMaxRows
 #if defined(__AVX512F__)
 template <int R, Form F>
 CHARIOTEER_VNNI_TARGET void panel_rows_vnni(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum,
-                                            int64_t blocks, const uint8_t* panel, float* y, int64_t ldy, int64_t cols) {
-  panel_body<R, F, DotSums>(pairs, kp, xscale, xsum, blocks, panel, y, ldy, cols);
+                                            int64_t blocks, const uint8_t* panel, bool stream, float* y, int64_t ldy,
+                                            int64_t cols) {
+  panel_body<R, F, DotSums>(pairs, kp, xscale, xsum, blocks, panel, stream, y, ldy, cols);
 }
 
 template <Form F, int... R>
@@ -315,7 +321,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
         const float* row_sums = sums ? sums + r0 * blocks * offsets : nullptr;
-        kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, row_sums, blocks, w + j * panel_bytes,
+        kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, row_sums, blocks, w + j * panel_bytes, kPrefetch && r0 == 0,
                      out + r0 * n + j * kCols, n, cols);
       }
     }

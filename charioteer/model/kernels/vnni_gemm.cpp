@@ -72,7 +72,7 @@ constexpr auto kLane = column_lanes();
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(const int32_t* pairs, int64_t kp,
                                                                        const float* xscale, int64_t blocks,
-                                                                       const int8_t* panel, int64_t k,
+                                                                       const int8_t* panel, int64_t k, bool stream,
                                                                        const float* wscale, float* y, int64_t ldy,
                                                                        int64_t cols) {
   __m512 total[R][2];
@@ -83,6 +83,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(const int
     const int64_t p0 = b * kBlockK / 2, p1 = std::min(kp, p0 + kBlockK / 2);
     for (int64_t p = p0; p < p1; ++p) {
       const int8_t* rows = panel + 2 * p * kPairCols;  // k rows 2p and 2p + 1, 32 bytes each
+      if (stream) prefetch_ahead(rows);  // the first row block reads the panel from memory
       const __m512i even = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows)));
       const __m512i odd = 2 * p + 1 < k
           ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + kPairCols)))
@@ -107,7 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(const int
   }
 }
 
-using PanelRows = void (*)(const int32_t*, int64_t, const float*, int64_t, const int8_t*, int64_t, const float*,
+using PanelRows = void (*)(const int32_t*, int64_t, const float*, int64_t, const int8_t*, int64_t, bool, const float*,
                            float*, int64_t, int64_t);
 
 template <int... R>
@@ -140,7 +141,7 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
       const int64_t col0 = j * kPairCols, cols = std::min(n - col0, kPairCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, m - r0);
-        kPanelRows[rows](pp + r0 * kp, kp, xs + r0 * blocks, blocks, w + j * k * kPairCols, k, ws + col0,
+        kPanelRows[rows](pp + r0 * kp, kp, xs + r0 * blocks, blocks, w + j * k * kPairCols, k, r0 == 0, ws + col0,
                          out + r0 * n + col0, n, cols);
       }
     }
