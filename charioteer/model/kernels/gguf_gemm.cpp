@@ -302,12 +302,14 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
                 offsets == 1 ? sums : nullptr);
   if (offsets == 2) {  // per 16 values, one fp32 addition after another as quantize_rows sums its blocks
     const float* xp = x.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t h = 0; h < 2 * blocks; ++h) {
-        float sum = 0.f;
-        for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += xp[r * x.stride(0) + i];
-        sums[r * 2 * blocks + h] = sum;
-      }
+    at::parallel_for(0, m, quantize_grain_rows(k), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t h = 0; h < 2 * blocks; ++h) {
+          float sum = 0.f;
+          for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += xp[r * x.stride(0) + i];
+          sums[r * 2 * blocks + h] = sum;
+        }
+    });
   }
   const int32_t* pp = pairs.data_ptr<int32_t>();
   const float* xs = xscale.data_ptr<float>();

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 // The AVX-512 kernels that stream a weight from memory with no other prefetching (GGUF blocks, int8
@@ -66,6 +67,8 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
 // each block's sum of x.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums);
+// Rows of k values per thread in quantize_rows (and its kin): at least 16K values each, so one row runs inline.
+inline int64_t quantize_grain_rows(int64_t k) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)); }
 // x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own blocks, repacked by BlockWeight.pack
 // (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
 // weights widened to int16, products summed exactly per block; the same bits in both builds, and with `vnni`

@@ -26,7 +26,6 @@
 #include <cmath>
 #include <utility>
 
-constexpr int64_t kQuantizeGrain = 16384;  // x values per thread's share, at least
 
 namespace {
 
@@ -69,7 +68,7 @@ inline void quantize_values(const float* x, int64_t n, float inv, int16_t* q) {
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums) {
   const int64_t kp = (k + 1) / 2, blocks = (k + block - 1) / block;
-  at::parallel_for(0, m, std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, m, quantize_grain_rows(k), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * ldx;
       auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
