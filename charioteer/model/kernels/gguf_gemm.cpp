@@ -294,11 +294,9 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   if (m == 0) return y;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = k / 2;
-  auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
-  auto xscale = torch::empty({m, blocks}, x.options());
-  auto xsum = torch::empty({offsets ? m : 0, blocks * offsets}, x.options());  // the sums of x, for the m terms
-  float* sums = offsets ? xsum.data_ptr<float>() : nullptr;
-  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
+  const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, blocks * offsets);
+  float* sums = quantized.sums;  // the sums of x, for the m terms
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, quantized.pairs, quantized.scales,
                 offsets == 1 ? sums : nullptr);
   if (offsets == 2) {  // per 16 values, one fp32 addition after another as quantize_rows sums its blocks
     const float* xp = x.data_ptr<float>();
@@ -311,8 +309,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
         }
     });
   }
-  const int32_t* pp = pairs.data_ptr<int32_t>();
-  const float* xs = xscale.data_ptr<float>();
+  const int32_t* pp = quantized.pairs;
+  const float* xs = quantized.scales;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
   const RowKernels& kernel = vnni ? *form->rows_vnni : *form->rows;  // vnni: the avx512 build, checked above

@@ -25,6 +25,7 @@
 #include <array>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 
 namespace {
@@ -60,6 +61,15 @@ inline void quantize_values(const float* x, int64_t n, float inv, int16_t* q) {
 }
 
 }  // namespace
+
+QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int64_t sums) {
+  thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<float> scales, block_sums;
+  pairs.resize(std::max<size_t>(pairs.size(), m * kp));
+  scales.resize(std::max<size_t>(scales.size(), m * blocks));
+  block_sums.resize(std::max<size_t>(block_sums.size(), m * sums));
+  return {pairs.data(), scales.data(), sums ? block_sums.data() : nullptr};
+}
 
 // x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), one fp32
 // scale per row and block of `block` values ([m][blocks]) and, where `sums` is given, each block's sum of x (one
@@ -164,14 +174,12 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  auto pairs = torch::empty({m, kp}, x.options().dtype(torch::kInt));
-  auto xscale = torch::empty({m, blocks}, x.options());
+  const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, 0);
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
-  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, kBlockK, pairs.data_ptr<int32_t>(), xscale.data_ptr<float>(),
-                nullptr);
+  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, kBlockK, quantized.pairs, quantized.scales, nullptr);
   const auto sc = scale.contiguous();
-  const int32_t* pp = pairs.data_ptr<int32_t>();
-  const float* xs = xscale.data_ptr<float>();
+  const int32_t* pp = quantized.pairs;
+  const float* xs = quantized.scales;
   const float* ws = sc.data_ptr<float>();
   const auto* w = panels.data_ptr<int8_t>();
   float* out = y.data_ptr<float>();
