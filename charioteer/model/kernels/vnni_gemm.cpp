@@ -27,7 +27,6 @@
 #include <utility>
 #include <vector>
 
-
 namespace {
 
 // The largest |x[i]| of n values (0 for none).
