@@ -670,6 +670,7 @@ def test_int8_takes_vnni_below_the_tile_rows_and_its_switch_keeps_the_panel_kern
 
 
 def test_vnni_needs_the_avx512_build_and_the_instructions(monkeypatch):
+    monkeypatch.delenv("CHARIOTEER_VNNI", raising=False)  # the switch's own reason would come first
     monkeypatch.setattr(cpu_kernels, "chosen_isa", lambda: "avx2")
     assert cpu_kernels.vnni_unavailable_reason() == "it is in the avx512 build only, and the kernels here are avx2"
     monkeypatch.setattr(cpu_kernels, "chosen_isa", lambda: "avx512")
