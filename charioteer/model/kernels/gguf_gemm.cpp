@@ -295,20 +295,9 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = k / 2;
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, blocks * offsets);
-  float* sums = quantized.sums;  // the sums of x, for the m terms
-  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, quantized.pairs, quantized.scales,
-                offsets == 1 ? sums : nullptr);
-  if (offsets == 2) {  // per 16 values, one fp32 addition after another as quantize_rows sums its blocks
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, m, quantize_grain_rows(k), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t h = 0; h < 2 * blocks; ++h) {
-          float sum = 0.f;
-          for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += xp[r * x.stride(0) + i];
-          sums[r * 2 * blocks + h] = sum;
-        }
-    });
-  }
+  float* sums = quantized.sums;  // the sums of x for the m terms: per block, or per 16 values (the mixed form)
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, quantized.pairs, quantized.scales, sums,
+                std::max<int64_t>(offsets, 1));
   const int32_t* pp = quantized.pairs;
   const float* xs = quantized.scales;
   const uint8_t* w = packed.data_ptr<uint8_t>();

@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <vector>
 
 // The AVX-512 kernels that stream a weight from memory with no other prefetching (GGUF blocks, int8
@@ -64,11 +63,9 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
                                const torch::Tensor& scale);
 // x [m, k] (rows ldx apart) quantized for int16 products (vnni_gemm.cpp): [m][ceil(k/2)] int32 pairs of int16,
 // each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]) and, with `sums`,
-// each block's sum of x.
+// the sums of x over each of a block's `sum_parts` equal parts ([m][blocks][sum_parts]).
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
-                   float* sums);
-// Rows of k values per thread in quantize_rows (and its kin): at least 16K values each, so one row runs inline.
-inline int64_t quantize_grain_rows(int64_t k) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)); }
+                   float* sums, int64_t sum_parts = 1);
 // quantize_rows' output for m rows of kp pairs and `blocks` blocks (and `sums` sums a row), in buffers the calling
 // thread keeps from one call to the next: a decode step's GEMMs would otherwise allocate three tensors each, at
 // about 0.4 us apiece with the caches cold.

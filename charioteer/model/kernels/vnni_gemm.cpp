@@ -71,13 +71,15 @@ QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int6
 }
 
 // x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), one fp32
-// scale per row and block of `block` values ([m][blocks]) and, where `sums` is given, each block's sum of x (one
-// fp32 addition after another). Rows in parallel once there are enough of them (a prompt chunk's: one thread
-// took a fifth of a 512-row GGUF GEMM's time quantizing); each value's bits as the scalar formula's.
+// scale per row and block of `block` values ([m][blocks]) and, where `sums` is given, the sum of x over each of a
+// block's `sum_parts` parts (one fp32 addition after another). Rows in parallel once there are 16K values (a
+// prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each value's bits as the
+// scalar formula's.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
-                   float* sums) {
-  const int64_t kp = (k + 1) / 2, blocks = (k + block - 1) / block;
-  at::parallel_for(0, m, quantize_grain_rows(k), [&](int64_t r0, int64_t r1) {
+                   float* sums, int64_t sum_parts) {
+  const int64_t kp = (k + 1) / 2, blocks = (k + block - 1) / block, part = block / sum_parts;
+  TORCH_CHECK(sum_parts > 0 && block % sum_parts == 0, "quantize_rows: a block splits into equal sum parts");
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * ldx;
       auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
@@ -87,10 +89,10 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t bl
         const float top = largest_magnitude(row + k0, k1 - k0);
         const float inv = top > 0.f ? 32767.f / top : 0.f;
         scales[r * blocks + b] = top / 32767.f;
-        if (sums) {
+        for (int64_t h = 0; sums && h < sum_parts; ++h) {
           float sum = 0.f;
-          for (int64_t i = k0; i < k1; ++i) sum += row[i];
-          sums[r * blocks + b] = sum;
+          for (int64_t i = k0 + h * part; i < std::min(k1, k0 + (h + 1) * part); ++i) sum += row[i];
+          sums[(r * blocks + b) * sum_parts + h] = sum;
         }
         quantize_values(row + k0, k1 - k0, inv, q + k0);
       }
