@@ -69,6 +69,25 @@ def test_bad_shapes_are_refused(isa):
         cpu_kernels.linear(torch.randn(2, 64), panels, 65, isa=isa)
 
 
+
+@each_isa
+def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
+    """The one-call decode layers keep each output from one layer to the next (`out`): the same bits as a new
+    tensor, and an out of another shape or dtype is refused by name."""
+    kernels, g = cpu_kernels._kernels(isa), torch.Generator().manual_seed(0)
+    x, w, gate_up = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(3, 80, generator=g)
+    panels = cpu_kernels.pack(w, isa=isa)
+    out, act = torch.empty(3, 40), torch.empty(3, 40)
+    assert kernels.panel_linear(x, panels, 40, out=out).data_ptr() == out.data_ptr()
+    assert kernels.silu_mul(gate_up, out=act).data_ptr() == act.data_ptr()
+    assert torch.equal(out, kernels.panel_linear(x, panels, 40)) and torch.equal(act, kernels.silu_mul(gate_up))
+    with pytest.raises(RuntimeError, match=r"panel_linear: out must be a contiguous float CPU tensor of shape \[3, 40\]"):
+        kernels.panel_linear(x, panels, 40, out=torch.empty(3, 41))
+    with pytest.raises(RuntimeError, match="silu_mul: out must be a contiguous float"):
+        kernels.silu_mul(gate_up, out=act.bfloat16())
+    with pytest.raises(RuntimeError, match="rope: out must be a contiguous"):
+        kernels.rope(torch.randn(3, 2, 64), torch.randn(3, 64), torch.randn(3, 64), out=torch.empty(6, 64))
+
 def _narrow_weight(kind: str, n: int, k: int, g: torch.Generator):
     """(the weight as packed, its scale or None, the fp32 weight it stands for) of a bf16 or int8 weight."""
     w = torch.randn(n, k, generator=g)

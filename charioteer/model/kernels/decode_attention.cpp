@@ -163,65 +163,76 @@ void store_rows(T* kc, T* vc, const K* kp, const V* vp, int64_t ks, int64_t vs, 
   }
 }
 
-}  // namespace
+// One layer's K and V caches, [slots, kv_heads, dim] each, contiguous, both fp32 or both bf16.
+struct Caches {
+  void* k;
+  void* v;
+  int64_t slots, kv_heads, dim;
+  bool bf16;
+};
 
-// The caches may be fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "q must be [D, heads, dim] and the caches [slots, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "q and out must be fp32");
+Caches caches_of(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "the caches must be [slots, kv_heads, dim]");
   TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
               "the caches must both be fp32 or both bf16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2),
+          k_cache.scalar_type() == torch::kBFloat16};
+}
+
+// Layer `layer` of a [layers, 2, slots, kv_heads, dim] cache, without a view of it.
+Caches caches_of(const torch::Tensor& kv, int64_t layer) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.is_contiguous() && fp32_or_bf16(kv),
+              "kv must be a contiguous fp32 or bf16 [layers, 2, slots, kv_heads, dim] cache");
+  TORCH_CHECK(0 <= layer && layer < kv.size(0), "layer out of range");
+  char* k = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * kv.element_size();
+  return {k, k + kv.stride(1) * kv.element_size(), kv.size(2), kv.size(3), kv.size(4),
+          kv.scalar_type() == torch::kBFloat16};
+}
+
+void attend_caches(const torch::Tensor& q, const Caches& c, const torch::Tensor& slots, const torch::Tensor& lengths,
+                   double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3, "q must be [D, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "q and out must be fp32");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous (its rows may be strided)");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor of q's shape");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong && lengths.dim() == 1 &&
               lengths.scalar_type() == torch::kLong, "slots must be [D, width] and lengths [D], int64");
-  const int64_t decodes = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+  const int64_t decodes = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = c.kv_heads;
+  TORCH_CHECK(c.dim == dim && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(slots.size(0) == decodes && lengths.size(0) == decodes, "one slot row and length per query");
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
   const auto sc = slots.contiguous();
   const auto lc = lengths.contiguous();
-  const int64_t width = sc.size(1), num_slots = k_cache.size(0);
+  const int64_t width = sc.size(1);
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t d = 0; d < decodes; ++d) TORCH_CHECK(0 < len[d] && len[d] <= width, "length out of range");
   const int64_t* sp = sc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < decodes * width; ++i) TORCH_CHECK(0 <= sp[i] && sp[i] < num_slots, "slot out of range");
+  for (int64_t i = 0; i < decodes * width; ++i) TORCH_CHECK(0 <= sp[i] && sp[i] < c.slots, "slot out of range");
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  if (k_cache.scalar_type() == torch::kFloat) {
-    attend_all(qp, q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, len, decodes, heads,
-               kv_heads, dim, width, s, op);
+  if (!c.bf16) {
+    attend_all(qp, q.stride(0), static_cast<const float*>(c.k), static_cast<const float*>(c.v), sp, len, decodes,
+               heads, kv_heads, dim, width, s, op);
   } else {
-    attend_all(qp, q.stride(0), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-               reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), sp, len, decodes, heads, kv_heads, dim, width, s,
-               op);
+    attend_all(qp, q.stride(0), static_cast<const uint16_t*>(c.k), static_cast<const uint16_t*>(c.v), sp, len,
+               decodes, heads, kv_heads, dim, width, s, op);
   }
 }
 
-// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: the step's new K/V rows (which may be
-// strided views of the fused QKV projection) copied into the cache, a memcpy per row, or rounded
-// to bf16 for a bf16 cache.
-void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-              const torch::Tensor& k, const torch::Tensor& v) {
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "the caches must be contiguous [slots, kv_heads, dim]");
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+void store_caches(const Caches& c, const torch::Tensor& slot_mapping, const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == c.kv_heads && k.size(2) == c.dim,
               "k and v must be [T, kv_heads, dim] like the cache rows");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k's and v's heads must be contiguous (their rows may be strided)");
   TORCH_CHECK(fp32_or_bf16(k) && fp32_or_bf16(v), "k and v must be fp32 or bf16");
-  TORCH_CHECK(fp32_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches must both be fp32 or both bf16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&
               slot_mapping.size(0) == k.size(0), "slot_mapping must be [T] int64");
   const auto sm = slot_mapping.contiguous();
   const int64_t* sp = sm.data_ptr<int64_t>();
-  const int64_t rows = k.size(0), num_slots = k_cache.size(0), row = k.size(1) * k.size(2);
-  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot out of range");
+  const int64_t rows = k.size(0), row = k.size(1) * k.size(2);
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < c.slots, "slot out of range");
   const auto into = [&](auto* kc, auto* vc) {
     const auto from = [&](const auto* kp) {
       if (v.scalar_type() == torch::kFloat) store_rows(kc, vc, kp, v.data_ptr<float>(), k.stride(0), v.stride(0), sp, rows, row);
@@ -230,6 +241,32 @@ void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
     if (k.scalar_type() == torch::kFloat) from(k.data_ptr<float>());
     else from(k.data_ptr<c10::BFloat16>());
   };
-  if (k_cache.scalar_type() == torch::kFloat) into(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  else into(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  if (!c.bf16) into(static_cast<float*>(c.k), static_cast<float*>(c.v));
+  else into(static_cast<c10::BFloat16*>(c.k), static_cast<c10::BFloat16*>(c.v));
+}
+
+}  // namespace
+
+// The caches may be fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
+  attend_caches(q, caches_of(k_cache, v_cache), slots, lengths, scale, out);
+}
+
+void decode_attention_layer(const torch::Tensor& q, const torch::Tensor& kv, int64_t layer,
+                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
+  attend_caches(q, caches_of(kv, layer), slots, lengths, scale, out);
+}
+
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: the step's new K/V rows (which may be
+// strided views of the fused QKV projection) copied into the cache, a memcpy per row, or rounded
+// to bf16 for a bf16 cache.
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+              const torch::Tensor& k, const torch::Tensor& v) {
+  store_caches(caches_of(k_cache, v_cache), slot_mapping, k, v);
+}
+
+void store_kv_layer(const torch::Tensor& kv, int64_t layer, const torch::Tensor& slot_mapping, const torch::Tensor& k,
+                    const torch::Tensor& v) {
+  store_caches(caches_of(kv, layer), slot_mapping, k, v);
 }

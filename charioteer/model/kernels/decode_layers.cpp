@@ -5,6 +5,8 @@
 // What goes away is Python's and the dispatcher's work between them: at a decode step every weight
 // has streamed through the caches since the last step, so each small op pays for cold interpreter
 // and allocator state: the op-by-op loop costs 3-4 ms more per 16-decode SmolLM2 step (35 ms).
+// For the same reason every op writes into buffers kept from one layer and step to the next (a new
+// tensor or view costs about half a microsecond there): one SmolLM2 stream ran 1.05-1.07x faster so.
 #include "kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -53,8 +55,8 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
 }
 
 torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
-                                   int64_t n) const {
-  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_);  // GGUF blocks (gguf_gemm.cpp)
+                                   int64_t n, const torch::Tensor& out) const {
+  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm.cpp)
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
@@ -67,13 +69,36 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
   if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels widened to bf16
     return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
                       : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
-  if (vnni_ && panels.scalar_type() == torch::kChar) return vnni_linear_int8(x, panels, n, *scale(layer, which));
-  return panel_linear(x, panels, n, scale(layer, which));  // fp32 or bf16 panels: also a GGUF file's other kinds
+  if (vnni_ && panels.scalar_type() == torch::kChar) return vnni_linear_int8(x, panels, n, *scale(layer, which), out);
+  return panel_linear(x, panels, n, scale(layer, which), out);  // fp32 or bf16 panels: also a GGUF file's other kinds
 }
 
 c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {
   if (scales_.empty()) return c10::nullopt;
   return scales_[4 * layer + which];
+}
+
+void DecodeLayers::keep_buffers(int64_t rows, const torch::Tensor& x) {
+  if (buffers_.rows == rows) return;
+  Buffers& b = buffers_;
+  const int64_t qkv_heads = heads_ + 2 * kv_heads_, hidden = x.size(1);
+  const auto fp32 = x.options().dtype(torch::kFloat);
+  const auto products = plain_.empty() ? fp32 : x.options().dtype(torch::kBFloat16);  // what `linear` writes
+  b.rows = rows;
+  b.fused = torch::empty({rows, qkv_heads * head_dim_}, fp32);
+  const auto heads = b.fused.view({rows, qkv_heads, head_dim_});
+  b.to_rotate = heads.narrow(1, 0, heads_ + kv_heads_);
+  b.v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
+  b.rotated = torch::empty({rows, heads_ + kv_heads_, head_dim_}, fp32);
+  b.q = b.rotated.narrow(1, 0, heads_);
+  b.k = b.rotated.narrow(1, heads_, kv_heads_);
+  b.attn = torch::empty({rows, heads_, head_dim_}, fp32);
+  b.attn_rows = b.attn.view({rows, heads_ * head_dim_});
+  b.o = torch::empty({rows, hidden}, fp32);
+  b.h = torch::empty({rows, hidden}, products);
+  b.gate_up = torch::empty({rows, 2 * intermediate_}, fp32);
+  b.act = torch::empty({rows, intermediate_}, products);
+  b.ffn = torch::empty({rows, hidden}, fp32);
 }
 
 torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::Tensor& kv, const torch::Tensor& cos,
@@ -83,21 +108,25 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   const int64_t qkv_heads = heads_ + 2 * kv_heads_;
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == layers && kv.size(1) == 2, "kv must be [layers, 2, slots, kv_heads, dim]");
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
+  keep_buffers(rows, x);
+  Buffers& b = buffers_;
+  const bool bf16_norm = !plain_.empty();  // under native bf16 GEMMs the norms round to bf16, as the GEMMs would
   for (int64_t l = 0; l < layers; ++l) {
-    const auto fused = linear(h, qkv_[l], l, 0, qkv_heads * head_dim_).view({rows, qkv_heads, head_dim_});
-    const auto qk = rope(fused.narrow(1, 0, heads_ + kv_heads_), cos, signed_sin);
-    auto layer_kv = kv.select(0, l);
-    auto k_cache = layer_kv.select(0, 0), v_cache = layer_kv.select(0, 1);
-    store_kv(k_cache, v_cache, slot_mapping, qk.narrow(1, heads_, kv_heads_), fused.narrow(1, heads_ + kv_heads_, kv_heads_));
-    auto attn = torch::empty({rows, heads_, head_dim_}, x.options());
-    decode_attention(qk.narrow(1, 0, heads_), k_cache, v_cache, slots, lengths, scale_, attn);
-    // under native bf16 GEMMs the norms are rounded to bf16 here, as the GEMMs would round them
-    const bool bf16_norm = !plain_.empty();
-    h = add_rms_norm_(x, linear(attn.view({rows, heads_ * head_dim_}), o_[l], l, 1, hidden), ffn_norm_[l], eps_,
-                      bf16_norm);
-    const auto ffn = linear(silu_mul(linear(h, gate_up_[l], l, kGateUp, 2 * intermediate_)), down_[l], l, 3, hidden);
+    const auto fused = linear(h, qkv_[l], l, 0, qkv_heads * head_dim_, b.fused);
+    auto to_rotate = b.to_rotate, v = b.v;
+    if (!fused.is_same(b.fused)) {  // a bf16 product: views of its own
+      const auto heads = fused.view({rows, qkv_heads, head_dim_});
+      to_rotate = heads.narrow(1, 0, heads_ + kv_heads_);
+      v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
+    }
+    rope(to_rotate, cos, signed_sin, b.rotated);  // Q and K, rotated: b.q and b.k
+    store_kv_layer(kv, l, slot_mapping, b.k, v);
+    decode_attention_layer(b.q, kv, l, slots, lengths, scale_, b.attn);
+    h = add_rms_norm_(x, linear(b.attn_rows, o_[l], l, 1, hidden, b.o), ffn_norm_[l], eps_, bf16_norm, b.h);
+    const auto gate_up = linear(h, gate_up_[l], l, kGateUp, 2 * intermediate_, b.gate_up);
+    const auto ffn = linear(silu_mul(gate_up, b.act), down_[l], l, 3, hidden, b.ffn);
     if (l + 1 < layers) {
-      h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_, bf16_norm);
+      h = add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_, bf16_norm, b.h);
     } else {
       x.add_(ffn);
     }

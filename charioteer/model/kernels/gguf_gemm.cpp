@@ -277,7 +277,8 @@ const FormKernels* form_of(int64_t record) {
 
 }  // namespace
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni) {
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
+                          const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   const FormKernels* form = packed.dim() == 3 ? form_of(packed.size(2)) : nullptr;
@@ -290,7 +291,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #if !defined(__AVX512F__)
   TORCH_CHECK(!vnni, "gguf_linear: vnni is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
 #endif
-  auto y = torch::empty({m, n}, x.options());
+  auto y = output_or_new("gguf_linear", out, {m, n}, x.options());
   if (m == 0) return y;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = k / 2;
@@ -303,7 +304,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = blocks * packed.size(2);
   const RowKernels& kernel = vnni ? *form->rows_vnni : *form->rows;  // vnni: the avx512 build, checked above
-  float* out = y.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t cols = std::min(n - j * kCols, kCols);
@@ -311,7 +312,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
         const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
         const float* row_sums = sums ? sums + r0 * blocks * offsets : nullptr;
         kernel[rows](pp + r0 * kp, kp, xs + r0 * blocks, row_sums, blocks, w + j * panel_bytes, kPrefetch && r0 == 0,
-                     out + r0 * n + j * kCols, n, cols);
+                     yp + r0 * n + j * kCols, n, cols);
       }
     }
   });

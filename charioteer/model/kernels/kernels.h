@@ -18,21 +18,35 @@ inline bool fp32_or_bf16(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
+// A kernel's result tensor: `out` where the caller gives one (checked to be contiguous, of `sizes` and `type`), else a
+// new one. The one-call decode layers keep their outputs from one layer and step to the next: with a step's weights
+// streaming through the caches, each new tensor costs about half a microsecond.
+torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
+                            const torch::TensorOptions& options);
+
 int64_t panel_width();  // output columns per packed panel in this build
 int64_t panel_row_block();  // rows the panel GEMM's microkernel computes at once in this build
 // x fp32; panels fp32, bf16 or int8 (then `scale`: fp32, one per output column).
+// `out` (here and below): where to write the result (output_or_new).
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                           const c10::optional<torch::Tensor>& scale = c10::nullopt);
+                           const c10::optional<torch::Tensor>& scale = c10::nullopt,
+                           const c10::optional<torch::Tensor>& out = c10::nullopt);
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);  // caches fp32 or bf16
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v);
+// The same two on layer `layer` of a [layers, 2, slots, kv_heads, dim] cache, without views of it.
+void decode_attention_layer(const torch::Tensor& q, const torch::Tensor& kv, int64_t layer,
+                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
+void store_kv_layer(const torch::Tensor& kv, int64_t layer, const torch::Tensor& slot_mapping, const torch::Tensor& k,
+                    const torch::Tensor& v);
 // delta fp32 or bf16; the norm fp32, or bf16 with bf16_out (rope and store_kv also take bf16 rows).
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                            bool bf16_out = false);
+                            bool bf16_out = false, const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                   const c10::optional<torch::Tensor>& out = c10::nullopt);
+torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // AMX tile GEMM (amx_gemm.cpp): only where the CPU has AMX-BF16, and after amx_ready().
@@ -60,7 +74,7 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 // panels: each row's blocks of 128 x values quantized to int16 with their own scale, int16 products summed
 // exactly per block. For the rows below the tile kernels'; the avx512 build only, where the CPU has AVX512-VNNI.
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                               const torch::Tensor& scale);
+                               const torch::Tensor& scale, const c10::optional<torch::Tensor>& out = c10::nullopt);
 // x [m, k] (rows ldx apart) quantized for int16 products (vnni_gemm.cpp): [m][ceil(k/2)] int32 pairs of int16,
 // each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]) and, with `sums`,
 // the sums of x over each of a block's `sum_parts` equal parts ([m][blocks][sum_parts]).
@@ -79,7 +93,8 @@ QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int6
 // (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
 // weights widened to int16, products summed exactly per block; the same bits in both builds, and with `vnni`
 // (the avx512 build, a CPU with AVX512-VNNI) from vpdpwssd.
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni);
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
+                          const c10::optional<torch::Tensor>& out = c10::nullopt);
 // The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).
 void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                        const torch::Tensor& scale);
@@ -131,9 +146,20 @@ class DecodeLayers {
                     const torch::Tensor& lengths);
 
  private:
+  // One batch size's activations and the views into them, kept from one layer and step to the next: fused QKV
+  // (and its part to rotate, and V), RoPE's output (and Q, K), attention's output (and as rows), then the O
+  // projection, a norm's output, gate/up, SiLU's output and the down projection.
+  struct Buffers {
+    int64_t rows = -1;
+    torch::Tensor fused, to_rotate, v, rotated, q, k, attn, attn_rows, o, h, gate_up, act, ffn;
+  };
+  void keep_buffers(int64_t rows, const torch::Tensor& x);
   c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
-  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
-                       int64_t n) const;
+  // Writes into `out` (fp32) where the kernel has an out-variant; bf16 products come back as new tensors.
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which, int64_t n,
+                       const torch::Tensor& out) const;
+
+  Buffers buffers_;
 
   std::vector<torch::Tensor> attn_norm_, qkv_, o_, ffn_norm_, gate_up_, down_, scales_, plain_;
   int64_t native_rows_;

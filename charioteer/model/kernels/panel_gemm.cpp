@@ -127,7 +127,7 @@ int64_t panel_width() { return kPanel; }
 int64_t panel_row_block() { return kRowBlock; }
 
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                           const c10::optional<torch::Tensor>& scale) {
+                           const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
   const auto type = panels.scalar_type();
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
@@ -140,7 +140,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   if (scale.has_value())
     TORCH_CHECK(scale->dim() == 1 && scale->size(0) == n && scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
                 "scale must be a contiguous fp32 vector of the n = ", n, " output columns' scales");
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = output_or_new("panel_linear", out, {rows, n}, x.options());
   if (rows == 0) return y;
   // x is read in place (its rows may be strided): a K slice of a row block is at most 4 KB, which stays in L1
   // beside the panel slice. Copying x into a broadcast-friendly layout first cost about 1 ns an
@@ -148,14 +148,14 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();
   const float* xs = xc.data_ptr<float>();
   const int64_t ldx = xc.stride(0);
-  float* out = y.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   const float* scales = scale.has_value() ? scale->data_ptr<float>() : nullptr;
   if (type == torch::kFloat) {
-    panel_gemm(xs, ldx, rows, panels.data_ptr<float>(), k_dim, num_panels, nullptr, out, n);
+    panel_gemm(xs, ldx, rows, panels.data_ptr<float>(), k_dim, num_panels, nullptr, yp, n);
   } else if (type == torch::kBFloat16) {
-    panel_gemm(xs, ldx, rows, reinterpret_cast<const uint16_t*>(panels.data_ptr()), k_dim, num_panels, nullptr, out, n);
+    panel_gemm(xs, ldx, rows, reinterpret_cast<const uint16_t*>(panels.data_ptr()), k_dim, num_panels, nullptr, yp, n);
   } else {
-    panel_gemm(xs, ldx, rows, panels.data_ptr<int8_t>(), k_dim, num_panels, scales, out, n);
+    panel_gemm(xs, ldx, rows, panels.data_ptr<int8_t>(), k_dim, num_panels, scales, yp, n);
   }
   return y;
 }

@@ -21,6 +21,14 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
+                            const torch::TensorOptions& options) {
+  if (!out.has_value()) return torch::empty(sizes, options);
+  TORCH_CHECK(out->sizes() == sizes && out->dtype() == options.dtype() && out->is_contiguous() &&
+              out->device().is_cpu(), name, ": out must be a contiguous ", options.dtype(), " CPU tensor of shape ", sizes);
+  return *out;
+}
+
 namespace {
 
 // A 2-D fp32 or bf16 tensor's data as the kernels read it: float or uint16_t (bf16 bits).
@@ -65,13 +73,14 @@ T* row_data(const torch::Tensor& t) {
 // x += delta; returns weight * x / sqrt(mean(x^2) + eps), row by row. delta fp32 or bf16 (a bf16
 // GEMM's product, widened exactly); the result fp32, or rounded to bf16 (`bf16_out`) for a bf16 GEMM.
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                            bool bf16_out) {
+                            bool bf16_out, const c10::optional<torch::Tensor>& given) {
   check_rows(x, "x");
   TORCH_CHECK(fp32_or_bf16_rows(delta), "delta must be a 2-D fp32 or bf16 tensor with contiguous rows");
   TORCH_CHECK(x.sizes() == delta.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
               weight.is_contiguous() && weight.scalar_type() == torch::kFloat, "shapes do not match");
   const int64_t rows = x.size(0), cols = x.size(1);
-  auto out = torch::empty({rows, cols}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
+  auto out = output_or_new("add_rms_norm_", given, {rows, cols},
+                           x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
   float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
@@ -124,7 +133,8 @@ void rope_rows(const T* xp, int64_t xs, const float* cp, int64_t cs, const float
 // x [T, heads, dim] (rows may be strided; fp32, or bf16 widened exactly) -> x * cos + roll(x, dim/2) *
 // signed_sin in fp32, with cos and signed_sin [T, dim]: the same three roundings as the op-by-op
 // formula on fp32 x (no fused multiply-add), so the result is bitwise the formula's.
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                   const c10::optional<torch::Tensor>& given) {
   TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
               x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, dim] fp32 or bf16 with contiguous heads");
   check_rows(cos, "cos");
@@ -132,7 +142,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(dim % 32 == 0 && cos.size(0) == rows && cos.size(1) == dim && signed_sin.sizes() == cos.sizes(),
               "rope needs head_dim a multiple of 32 and one cos/sin row per token");
-  auto out = torch::empty({rows, heads, dim}, x.options().dtype(torch::kFloat));
+  auto out = output_or_new("rope", given, {rows, heads, dim}, x.options().dtype(torch::kFloat));
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -173,13 +183,13 @@ void silu_mul_bf16(const torch::Tensor& gate_up, torch::Tensor& out) {
 }  // namespace
 
 // silu(gate) * up of a fused [rows, 2 * inner] projection, in its dtype (fp32 or bf16).
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& given) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
               (gate_up.scalar_type() == torch::kFloat || gate_up.scalar_type() == torch::kBFloat16),
               "gate_up must be a 2-D fp32 or bf16 tensor with contiguous rows");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width");
-  auto out = torch::empty({rows, inner}, gate_up.options());
+  auto out = output_or_new("silu_mul", given, {rows, inner}, gate_up.options());
   if (gate_up.scalar_type() == torch::kBFloat16) {
     silu_mul_bf16(gate_up, out);
     return out;

@@ -170,10 +170,10 @@ constexpr auto kPanelRows = panel_rows_by_count(std::make_integer_sequence<int, 
 }  // namespace
 
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                               const torch::Tensor& scale) {
+                               const torch::Tensor& scale, const c10::optional<torch::Tensor>& out) {
   check_int8_panels("vnni_linear_int8", x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
-  auto y = torch::empty({m, n}, x.options());
+  auto y = output_or_new("vnni_linear_int8", out, {m, n}, x.options());
   if (m == 0) return y;
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, 0);
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
@@ -183,14 +183,14 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
   const float* xs = quantized.scales;
   const float* ws = sc.data_ptr<float>();
   const auto* w = panels.data_ptr<int8_t>();
-  float* out = y.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, panels.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t col0 = j * kPairCols, cols = std::min(n - col0, kPairCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, m - r0);
         kPanelRows[rows](pp + r0 * kp, kp, xs + r0 * blocks, blocks, w + j * k * kPairCols, k, r0 == 0, ws + col0,
-                         out + r0 * n + col0, n, cols);
+                         yp + r0 * n + col0, n, cols);
       }
     }
   });
@@ -199,7 +199,8 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
 
 #else
 
-torch::Tensor vnni_linear_int8(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&) {
+torch::Tensor vnni_linear_int8(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&,
+                               const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "vnni_linear_int8 is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
 }
 
