@@ -262,21 +262,30 @@ def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, 
 
 
 @each_isa
-def test_decode_attention_bits_do_not_depend_on_the_batch(isa):
+@pytest.mark.parametrize("kv_heads, group, dim, cache_dtype", [(3, 3, 64, torch.float32), (1, 8, 128, torch.bfloat16),
+                                                               (2, 6, 64, torch.bfloat16), (3, 1, 128, torch.float32)])
+def test_decode_attention_bits_do_not_depend_on_the_batch(kv_heads, group, dim, cache_dtype, isa):
     """Threads take (request, KV head) pairs longest context first, one at a time: which thread computes a pair,
-    and with which others, must not change its bits."""
+    with which others, and on how many threads, must not change its bits."""
     g = torch.Generator().manual_seed(7)
-    decodes, kv_heads, group, dim, width = 7, 3, 3, 64, 90
+    decodes, width = 7, 90
     num_slots = decodes * width + 1
-    k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=g).to(cache_dtype) for _ in range(2))
     q = torch.randn(decodes, kv_heads * group, dim, generator=g)
     lengths = torch.tensor([5, 90, 17, 64, 1, 33, 88])  # mixed, so the order of the pairs is not the batch's
     slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
     batch = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, isa=isa)
+    threads = torch.get_num_threads()
     for d in range(decodes):
         alone = cpu_kernels.decode_attention(q[d:d + 1], k_cache, v_cache, slots[d:d + 1], lengths[d:d + 1],
                                              dim ** -0.5, isa=isa)
         assert torch.equal(alone[0], batch[d])
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(cpu_kernels.decode_attention(q[d:d + 1], k_cache, v_cache, slots[d:d + 1],
+                                                            lengths[d:d + 1], dim ** -0.5, isa=isa)[0], batch[d])
+        finally:
+            torch.set_num_threads(threads)
     reordered = torch.tensor([3, 0, 6, 1, 5, 2, 4])
     assert torch.equal(cpu_kernels.decode_attention(q[reordered], k_cache, v_cache, slots[reordered],
                                                     lengths[reordered], dim ** -0.5, isa=isa), batch[reordered])
