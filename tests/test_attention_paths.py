@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from charioteer import LLM, SamplingParams
-from charioteer.engine.model_runner import ModelRunner
+from charioteer.engine.model_runner import ModelRunner, run_starts
 from charioteer.memory.block_manager import BlockManager
 from charioteer.model import cpu_kernels, llama
 from charioteer.model.config import ModelConfig
@@ -122,6 +122,13 @@ def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_
     for a, b in zip(one_call, op_by_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same kernels in the same order: same bits
+
+
+def test_run_starts_needs_every_context_in_one_run_of_the_blocks_it_uses():
+    assert run_starts([[3, 4, 5], [9, 10]], [40, 17], 16) == [48, 144]
+    assert run_starts([[3, 4, 5], [9, 11]], [40, 17], 16) is None  # the second uses both its blocks
+    assert run_starts([[3, 4, 5], [9, 11]], [40, 16], 16) == [48, 144]  # only its first
+    assert run_starts([[3, 5, 4]], [48], 16) is None  # the right span in the wrong order
 
 
 def test_contiguous_start_only_for_consecutive_blocks():

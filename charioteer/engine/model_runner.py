@@ -89,11 +89,17 @@ class Sampler:
         return tokens
 
 
-def run_starts(tables: np.ndarray, ends: np.ndarray, block_size: int) -> np.ndarray | None:
+def run_starts(tables: list[list[int]], ends: list[int], block_size: int) -> list[int] | None:
     """Each row's first slot when positions [0, ends[i]) of every row lie in one run of consecutive slots (each
-    of the blocks they use follows the one before; columns past them are ignored), else None."""
-    follows = (tables[:, 1:] == tables[:, :-1] + 1) | (np.arange(1, tables.shape[1]) >= -(-ends[:, None] // block_size))
-    return tables[:, 0] * block_size if follows.all() else None
+    of the blocks they use follows the one before; blocks past them are ignored), else None. In Python, not
+    numpy: at a decode step numpy's reductions cost tens of microseconds each with the caches cold."""
+    starts = []
+    for table, end in zip(tables, ends):
+        used, first = -(-end // block_size), table[0]
+        if table[used - 1] - first != used - 1 or table[:used] != list(range(first, first + used)):
+            return None
+        starts.append(first * block_size)
+    return starts
 
 
 @dataclass
@@ -124,8 +130,8 @@ class ModelRunner:
 
     def _contiguous_start(self, entry: BatchEntry, end: int) -> int | None:
         """First slot of positions [0, end) when they are one run of consecutive slots, else None."""
-        starts = run_starts(np.array([self.blocks.block_table(entry.request)]), np.array([end]), self.blocks.block_size)
-        return None if starts is None else int(starts[0])
+        starts = run_starts([self.blocks.block_table(entry.request)], [end], self.blocks.block_size)
+        return None if starts is None else starts[0]
 
     @staticmethod
     def _wants_prompt_logprobs(entry: BatchEntry) -> bool:
@@ -182,13 +188,13 @@ class ModelRunner:
                 offset += 1
         dev = self.device
         inp = ForwardInput(
-            token_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            token_ids=torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(dev),
+            positions=torch.from_numpy(positions[0] if len(positions) == 1 else np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             prefills=[self._to_device(p) for p in prefills],
             num_decodes=len(batch.decodes),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            logits_rows=torch.tensor(flat_rows, dtype=torch.long, device=dev),
+            logits_rows=torch.from_numpy(np.array(flat_rows, dtype=np.int64)).to(dev),
             decode_runs=decode_runs,
             decode_lengths=lens,
         )
@@ -199,22 +205,23 @@ class ModelRunner:
         context lengths [D] (both int64 arrays), and each context's (first slot, length) when all are
         contiguous runs.
 
-        One set of array ops for the whole batch: per-request ones cost more than the model's
-        attention at small batches.
+        One set of array ops for the whole batch (per-request ones cost more than the model's attention at
+        small batches); whether each context is one run is checked per request in Python (run_starts).
         """
         bs = self.blocks.block_size
         tables = [self.blocks.block_table(e.request) for e in decodes]
-        ends = np.fromiter((e.end for e in decodes), np.int64, len(decodes))
-        widest = max(len(t) for t in tables)
-        table = np.array([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=np.int64)
-        pos = np.arange(ends.max())
-        starts = run_starts(table, ends, bs)  # one scattered context: the batched gather serves them all
+        end_list = [e.end for e in decodes]
+        ends = np.array(end_list, dtype=np.int64)
+        pos = np.arange(max(end_list))
+        starts = run_starts(tables, end_list, bs)  # one scattered context: the batched gather serves them all
         if starts is None:
+            widest = max(len(t) for t in tables)
+            table = np.array([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=np.int64)
             context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing: other strides
         else:  # every context one run of slots
-            context = starts[:, None] + pos
+            context = np.array(starts, dtype=np.int64)[:, None] + pos
         context[pos[None, :] >= ends[:, None]] = self.pad_slot
-        runs = None if starts is None else list(zip(starts.tolist(), ends.tolist()))
+        runs = None if starts is None else list(zip(starts, end_list))
         return context, ends, runs
 
     def _to_device(self, span: PrefillSpan) -> PrefillSpan:
