@@ -88,6 +88,37 @@ def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
     with pytest.raises(RuntimeError, match="rope: out must be a contiguous"):
         kernels.rope(torch.randn(3, 2, 64), torch.randn(3, 64), torch.randn(3, 64), out=torch.empty(6, 64))
 
+
+def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_threads_on_a_bad_slot():
+    """A small batch's layers run in one parallel region, the threads meeting between ops: the bits of one
+    thread's run, and an error on one thread (a KV slot out of range, met by the row ops' thread alone) ends
+    the call for every thread instead of leaving them waiting."""
+    hidden, heads, kv_heads, dim, inter, layers, g = 64, 2, 1, 64, 96, 2, torch.Generator().manual_seed(0)
+
+    def packed(n, k):
+        return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
+
+    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers)]
+    runner = cpu_kernels.decode_layers(norms, packed((heads + 2 * kv_heads) * dim, hidden), packed(hidden, heads * dim),
+                                       norms, packed(2 * inter, hidden), packed(hidden, inter), heads=heads,
+                                       kv_heads=kv_heads, head_dim=dim, intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    x = torch.randn(2, hidden, generator=g)
+    cos, sin = torch.rand(2, dim, generator=g), torch.rand(2, dim, generator=g)
+    slots, lengths = torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.tensor([3, 2])
+
+    def run(slot_mapping, threads):
+        kv, y, before = torch.zeros(layers, 2, 9, kv_heads, dim), x.clone(), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return runner.run(y, cpu_kernels.rms_norm(x, norms[0], 1e-5), kv, cos, sin, slot_mapping, slots, lengths), kv
+        finally:
+            torch.set_num_threads(before)
+
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        run(torch.tensor([2, 9]), 2)
+    (team, team_kv), (alone, alone_kv) = run(torch.tensor([2, 4]), 2), run(torch.tensor([2, 4]), 1)
+    assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
+
 def _narrow_weight(kind: str, n: int, k: int, g: torch.Generator):
     """(the weight as packed, its scale or None, the fp32 weight it stands for) of a bf16 or int8 weight."""
     w = torch.randn(n, k, generator=g)

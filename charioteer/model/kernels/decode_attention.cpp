@@ -124,19 +124,31 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   for (int64_t i = 0; i < pairs; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
+  const int64_t score_floats = std::min<int64_t>(group, kMaxGroup) * width;
+  // pair `p` (an index into the batch's pairs), prefetching pair `following`'s K rows (-1: none)
+  const auto attend_pair = [&](int64_t p, int64_t following, float* scores) {
+    NextRows<T> next;
+    if (following >= 0) {
+      const int64_t d = following / kv_heads, g = following % kv_heads;
+      next = {kp + g * dim, sp + d * width, len[d]};
+    }
+    const int64_t d = p / kv_heads, g = p % kv_heads;
+    fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
+       scale, op + (d * heads + g * group) * dim, scores, next);
+  };
+  if (team_share() != nullptr) {  // inside DecodeLayers' region: this thread's share of the pairs, in order
+    parallel_split(pairs, [&](int64_t first, int64_t last) {
+      std::vector<float> scores(score_floats);
+      for (int64_t i = first; i < last; ++i) attend_pair(order[i], i + 1 < last ? order[i + 1] : -1, scores.data());
+    });
+    return;
+  }
   std::atomic<int64_t> taken{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pairs), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(std::min<int64_t>(group, kMaxGroup) * width);
+    std::vector<float> scores(score_floats);
     for (int64_t current = taken.fetch_add(1), following; current < pairs; current = following) {
       following = taken.fetch_add(1);
-      NextRows<T> next;
-      if (following < pairs) {
-        const int64_t d = order[following] / kv_heads, g = order[following] % kv_heads;
-        next = {kp + g * dim, sp + d * width, len[d]};
-      }
-      const int64_t d = order[current] / kv_heads, g = order[current] % kv_heads;
-      fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
-         scale, op + (d * heads + g * group) * dim, scores.data(), next);
+      attend_pair(order[current], following < pairs ? order[following] : -1, scores.data());
     }
   });
 }

@@ -305,7 +305,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const int64_t panel_bytes = blocks * packed.size(2);
   const RowKernels& kernel = vnni ? *form->rows_vnni : *form->rows;  // vnni: the avx512 build, checked above
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
+  parallel_split(packed.size(0), [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t cols = std::min(n - j * kCols, kCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {

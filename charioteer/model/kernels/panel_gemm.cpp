@@ -94,7 +94,7 @@ void panel_gemm(const float* xs, int64_t ldx, int64_t rows, const W* w, int64_t 
                 const float* scale, float* out, int64_t n) {
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const bool widen = !std::is_same_v<W, float> && blocks > 1;
-  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+  parallel_split(num_panels, [&](int64_t first, int64_t last) {
     alignas(64) float buffer[kSlice * kPanel];
     for (int64_t p = first; p < last; ++p) {
       const int64_t n0 = p * kPanel;

@@ -184,7 +184,7 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
   const float* ws = sc.data_ptr<float>();
   const auto* w = panels.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t first, int64_t last) {
+  parallel_split(panels.size(0), [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t col0 = j * kPairCols, cols = std::min(n - col0, kPairCols);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
