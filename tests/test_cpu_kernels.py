@@ -69,7 +69,6 @@ def test_bad_shapes_are_refused(isa):
         cpu_kernels.linear(torch.randn(2, 64), panels, 65, isa=isa)
 
 
-
 @each_isa
 def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
     """The one-call decode layers keep each output from one layer to the next (`out`): the same bits as a new
@@ -118,6 +117,7 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
         run(torch.tensor([2, 9]), 2)
     (team, team_kv), (alone, alone_kv) = run(torch.tensor([2, 4]), 2), run(torch.tensor([2, 4]), 1)
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
+
 
 def _narrow_weight(kind: str, n: int, k: int, g: torch.Generator):
     """(the weight as packed, its scale or None, the fp32 weight it stands for) of a bf16 or int8 weight."""

@@ -60,7 +60,7 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
 
 torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
                                    int64_t n, const torch::Tensor& out) const {
-  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm.cpp)
+  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm)
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
     const auto rounded = x.to(torch::kBFloat16);
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
@@ -70,11 +70,15 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
                                              : avx512_bf16_linear(rounded, panels, n, true);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
-  if (!scales_.empty() && native_rows_ > 0 && x.size(0) >= native_rows_)  // int8 panels widened to bf16
+  if (int8_tiles(x.size(0)))  // int8 panels widened to bf16
     return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
                       : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
   if (vnni_ && panels.scalar_type() == torch::kChar) return vnni_linear_int8(x, panels, n, *scale(layer, which), out);
   return panel_linear(x, panels, n, scale(layer, which), out);  // fp32 or bf16 panels: also a GGUF file's other kinds
+}
+
+bool DecodeLayers::int8_tiles(int64_t rows) const {
+  return !scales_.empty() && native_rows_ > 0 && rows >= native_rows_;
 }
 
 c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {
@@ -165,7 +169,7 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   keep_buffers(rows, x);
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
-  const bool outs = plain_.empty() && (scales_.empty() || native_rows_ == 0 || rows < native_rows_);
+  const bool outs = plain_.empty() && !int8_tiles(rows);  // every GEMM writes into its buffer (`linear`)
   const int64_t threads = at::get_num_threads();
   if (!outs || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {
     for (int64_t l = 0; l < layers; ++l) layer(l, step, true, [] {});

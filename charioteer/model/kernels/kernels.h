@@ -182,6 +182,7 @@ class DecodeLayers {
   // `lead`; meet() between them (waits for the other threads of a team, or nothing).
   template <typename Meet>
   void layer(int64_t l, const Step& in, bool lead, const Meet& meet);
+  bool int8_tiles(int64_t rows) const;  // int8 panels widened to bf16 at this many rows (no out-variant)
   c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
   // Writes into `out` (fp32) where the kernel has an out-variant; bf16 products come back as new tensors.
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which, int64_t n,
