@@ -68,11 +68,15 @@ def test_fused_decode_attention_matches_gathered(default_model, monkeypatch, kv_
 
 class _CountingRunner:
     def __init__(self, runner):
-        self.runner, self.calls = runner, 0
+        self.runner, self.calls = runner, {"run": 0, "run_tokens": 0}
 
     def run(self, *args):
-        self.calls += 1
+        self.calls["run"] += 1
         return self.runner.run(*args)
+
+    def run_tokens(self, *args):
+        self.calls["run_tokens"] += 1
+        return self.runner.run_tokens(*args)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -115,13 +119,16 @@ def test_one_call_decode_layers_are_bitwise_the_op_by_op_loop(default_model, kv_
     assert model.kernels.native_bf16_rows == (2 if dtype == "bfloat16" else 0)
     assert model.kernels.tile_kernel == tile_kernel
     model.decode_layers = counting = _CountingRunner(model.decode_layers)
-    one_call = llm.generate(_prompts(), params)
-    assert counting.calls > 0, "decode-only steps must take the one-call path"
+    one_call = llm.generate(_prompts(), params)  # from the tokens to the final norm (run_tokens)
+    model._tokens_in_one_call = False  # the layers alone (run), as a pipeline stage calls them
+    layers_call = llm.generate(_prompts(), params)
+    assert counting.calls["run_tokens"] > 0 and counting.calls["run"] > 0, "decode-only steps take the one call"
     model.kernels = dataclasses.replace(model.kernels, decode_layers=False)
     op_by_op = llm.generate(_prompts(), params)
-    for a, b in zip(one_call, op_by_op):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same kernels in the same order: same bits
+    for a, b, c in zip(one_call, layers_call, op_by_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        # the same kernels in the same order: the same bits
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs == c.outputs[0].logprobs
 
 
 def test_run_starts_needs_every_context_in_one_run_of_the_blocks_it_uses():

@@ -119,6 +119,37 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+def test_decode_layers_run_tokens_is_the_embedding_norms_and_run_and_refuses_rows_past_its_tables():
+    """run_tokens: the embedding's rows (a bf16 table widened), the RoPE tables' rows, the first norm, run and the
+    final norm in one call, bit for bit those ops one by one; a token or position past its table is refused."""
+    hidden, heads, kv_heads, dim, inter, layers, g = 64, 2, 1, 64, 96, 2, torch.Generator().manual_seed(1)
+
+    def packed(n, k):
+        return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
+
+    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers + 1)]  # the last: the final norm
+    runner = cpu_kernels.decode_layers(norms[:layers], packed((heads + 2 * kv_heads) * dim, hidden),
+                                       packed(hidden, heads * dim), norms[:layers], packed(2 * inter, hidden),
+                                       packed(hidden, inter), heads=heads, kv_heads=kv_heads, head_dim=dim,
+                                       intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    cos, sin = torch.rand(16, dim, generator=g), torch.rand(16, dim, generator=g)
+    tokens, positions = torch.tensor([7, 3]), torch.tensor([2, 1])
+    slots, lengths, slot_mapping = torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.tensor([3, 2]), torch.tensor([2, 4])
+    for embed in (torch.randn(10, hidden, generator=g), torch.randn(10, hidden, generator=g).bfloat16()):
+        one_kv, each_kv = torch.zeros(layers, 2, 9, kv_heads, dim), torch.zeros(layers, 2, 9, kv_heads, dim)
+        one = runner.run_tokens(tokens, positions, embed, cos, sin, norms[-1], one_kv, slot_mapping, slots, lengths)
+        x = embed[tokens].float()
+        x = runner.run(x, cpu_kernels.rms_norm(x, norms[0], 1e-5), each_kv, cos[positions], sin[positions],
+                       slot_mapping, slots, lengths)
+        assert torch.equal(one, cpu_kernels.rms_norm(x, norms[-1], 1e-5)) and torch.equal(one_kv, each_kv)
+    kv = torch.zeros(layers, 2, 9, kv_heads, dim)
+    with pytest.raises(RuntimeError, match=r"embed row 10 is out of range \[0, 10\)"):
+        runner.run_tokens(torch.tensor([7, 10]), positions, embed, cos, sin, norms[-1], kv, slot_mapping, slots,
+                          lengths)
+    with pytest.raises(RuntimeError, match=r"cos row 16 is out of range"):
+        runner.run_tokens(tokens, torch.tensor([2, 16]), embed, cos, sin, norms[-1], kv, slot_mapping, slots, lengths)
+
+
 def _narrow_weight(kind: str, n: int, k: int, g: torch.Generator):
     """(the weight as packed, its scale or None, the fp32 weight it stands for) of a bf16 or int8 weight."""
     w = torch.randn(n, k, generator=g)

@@ -692,6 +692,9 @@ class LlamaModel:
         self._load_weights(state_dict)
         self._prepare_kernels()
         self.cos_table, self.signed_sin_table = _rope_tables(config, self.device, self.activation_dtype)
+        # the whole model, on fp32 activations (whose norms are the row-op kernel's, as run_tokens computes them)
+        self._tokens_in_one_call = (self.decode_layers is not None and self.is_first and self.is_last
+                                    and self.activation_dtype == torch.float32)
 
     # How a batch's rows set its GEMMs' cost (the simulator's step cost model reads these).
     @property
@@ -790,6 +793,13 @@ class LlamaModel:
 
         `hooks`, if given, is called as hooks(op_name, fn) around each operation, for profiling.
         """
+        if (self._tokens_in_one_call and inp.logits_rows.numel() == inp.num_decodes
+                and select_paths(self.kernels, inp, kv, profiled=hooks is not None).decode_layers):
+            # embedding, every layer and the final norm in one C++ call: the ops below, the same bits
+            h = self.decode_layers.run_tokens(inp.token_ids, inp.positions, self.embed, self.cos_table,
+                                              self.signed_sin_table, self.final_norm, kv.data, inp.slot_mapping,
+                                              inp.decode_slots, inp.decode_lengths)
+            return self.lm_head_linear(h)
         x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks, scratch_input=True)
         return self.logits(x, inp, hooks)
 

@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "write the step's K and V rows into their cache slots");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place; returns RMSNorm(x) * weight", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out") = false, py::arg("out") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight, x fp32 and untouched: add_rms_norm_'s bits for a -0.0 delta");
+  m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight, x fp32 and untouched: add_rms_norm_'s bits for a -0.0 delta",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("rope", &rope, "x * cos + roll(x) * signed_sin, bitwise the formula", py::arg("x"), py::arg("cos"),
         py::arg("signed_sin"), py::arg("out") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection", py::arg("gate_up"),
@@ -21,7 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, bool, bool, int64_t, int64_t, int64_t, int64_t, double,
                     double>())
-      .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place");
+      .def("run", &DecodeLayers::run, "x through every layer for a decode-only batch; x is updated in place")
+      .def("run_tokens", &DecodeLayers::run_tokens,
+           "a decode-only batch's tokens embedded and through every layer: the final norm's output");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("amx_ready", &amx_ready, "whether Linux granted this process AMX's tile state");
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the order AMX's B tiles read it");

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 
 namespace {
@@ -86,12 +87,12 @@ c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) c
   return scales_[4 * layer + which];
 }
 
-void DecodeLayers::keep_buffers(int64_t rows, const torch::Tensor& x) {
+void DecodeLayers::keep_buffers(int64_t rows, int64_t hidden, const torch::TensorOptions& options) {
   if (buffers_.rows == rows) return;
   Buffers& b = buffers_;
-  const int64_t qkv_heads = heads_ + 2 * kv_heads_, hidden = x.size(1);
-  const auto fp32 = x.options().dtype(torch::kFloat);
-  const auto products = plain_.empty() ? fp32 : x.options().dtype(torch::kBFloat16);  // what `linear` writes
+  const int64_t qkv_heads = heads_ + 2 * kv_heads_;
+  const auto fp32 = options.dtype(torch::kFloat);
+  const auto products = plain_.empty() ? fp32 : options.dtype(torch::kBFloat16);  // what `linear` writes
   b.rows = rows;
   b.fused = torch::empty({rows, qkv_heads * head_dim_}, fp32);
   const auto heads = b.fused.view({rows, qkv_heads, head_dim_});
@@ -107,9 +108,37 @@ void DecodeLayers::keep_buffers(int64_t rows, const torch::Tensor& x) {
   b.gate_up = torch::empty({rows, 2 * intermediate_}, fp32);
   b.act = torch::empty({rows, intermediate_}, products);
   b.ffn = torch::empty({rows, hidden}, fp32);
+  b.x = torch::empty({rows, hidden}, fp32);
+  b.first_h = torch::empty({rows, hidden}, fp32);
+  b.cos = torch::empty({rows, head_dim_}, fp32);
+  b.signed_sin = torch::empty({rows, head_dim_}, fp32);
 }
 
 namespace {
+
+// out[i] = table[index[i]] for index [n] (int64) and out [n, cols] fp32, a bf16 table widened (exactly): what indexing
+// the table in Python and converting to fp32 gives.
+void gather_rows(const torch::Tensor& table, const torch::Tensor& index, torch::Tensor& out, const char* name) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && fp32_or_bf16(table) && table.size(1) == out.size(1), name,
+              " must be a contiguous fp32 or bf16 table of ", out.size(1), " columns");
+  TORCH_CHECK(index.dim() == 1 && index.is_contiguous() && index.scalar_type() == torch::kLong &&
+              index.size(0) == out.size(0), name, "'s index must be ", out.size(0), " contiguous int64 rows");
+  const int64_t cols = table.size(1), limit = table.size(0);
+  const int64_t* at = index.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < out.size(0); ++i) {
+    TORCH_CHECK(at[i] >= 0 && at[i] < limit, name, " row ", at[i], " is out of range [0, ", limit, ")");
+    if (table.scalar_type() == torch::kFloat) {
+      std::memcpy(op + i * cols, table.data_ptr<float>() + at[i] * cols, cols * sizeof(float));
+      continue;
+    }
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()) + at[i] * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
+      std::memcpy(op + i * cols + c, &bits, sizeof(float));
+    }
+  }
+}
 
 thread_local const TeamShare* current_share = nullptr;
 
@@ -167,7 +196,7 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   const int64_t layers = attn_norm_.size(), rows = x.size(0);
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == layers && kv.size(1) == 2, "kv must be [layers, 2, slots, kv_heads, dim]");
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
-  keep_buffers(rows, x);
+  keep_buffers(rows, x.size(1), x.options());
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
   const bool outs = plain_.empty() && !int8_tiles(rows);  // every GEMM writes into its buffer (`linear`)
   const int64_t threads = at::get_num_threads();
@@ -203,4 +232,20 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   });
   if (error) std::rethrow_exception(error);
   return x;
+}
+
+torch::Tensor DecodeLayers::run_tokens(const torch::Tensor& token_ids, const torch::Tensor& positions,
+                                       const torch::Tensor& embed, const torch::Tensor& cos,
+                                       const torch::Tensor& signed_sin, const torch::Tensor& final_norm,
+                                       const torch::Tensor& kv, const torch::Tensor& slot_mapping,
+                                       const torch::Tensor& slots, const torch::Tensor& lengths) {
+  TORCH_CHECK(embed.dim() == 2 && token_ids.dim() == 1 && token_ids.size(0) > 0, "embed [vocab, hidden], token_ids [D]");
+  keep_buffers(token_ids.size(0), embed.size(1), embed.options());
+  Buffers& b = buffers_;
+  gather_rows(embed, token_ids, b.x, "embed");
+  gather_rows(cos, positions, b.cos, "cos");
+  gather_rows(signed_sin, positions, b.signed_sin, "signed_sin");
+  rms_norm(b.x, attn_norm_[0], eps_, b.first_h);
+  run(b.x, b.first_h, kv, b.cos, b.signed_sin, slot_mapping, slots, lengths);
+  return rms_norm(b.x, final_norm, eps_);
 }

@@ -63,7 +63,8 @@ void store_kv_layer(const torch::Tensor& kv, int64_t layer, const torch::Tensor&
 // delta fp32 or bf16; the norm fp32, or bf16 with bf16_out (rope and store_kv also take bf16 rows).
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                             bool bf16_out = false, const c10::optional<torch::Tensor>& out = c10::nullopt);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                    const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& out = c10::nullopt);
@@ -164,16 +165,26 @@ class DecodeLayers {
   torch::Tensor run(torch::Tensor x, torch::Tensor h, const torch::Tensor& kv, const torch::Tensor& cos,
                     const torch::Tensor& signed_sin, const torch::Tensor& slot_mapping, const torch::Tensor& slots,
                     const torch::Tensor& lengths);
+  // A whole model's decode step up to its LM head: token_ids and positions [D] (int64) pick rows of embed [vocab,
+  // hidden] (fp32, or bf16 widened exactly) and of cos and signed_sin [max_position, dim] (fp32); the first input
+  // norm, run, and the final norm follow. Returns RMSNorm(x) * final_norm of the last layer's x, what the LM head
+  // reads: the bits of the Python embedding, rms_norm and run (each op costs microseconds from Python there).
+  torch::Tensor run_tokens(const torch::Tensor& token_ids, const torch::Tensor& positions, const torch::Tensor& embed,
+                           const torch::Tensor& cos, const torch::Tensor& signed_sin, const torch::Tensor& final_norm,
+                           const torch::Tensor& kv, const torch::Tensor& slot_mapping, const torch::Tensor& slots,
+                           const torch::Tensor& lengths);
 
  private:
   // One batch size's activations and the views into them, kept from one layer and step to the next: fused QKV
   // (and its part to rotate, and V), RoPE's output (and Q, K), attention's output (and as rows), then the O
-  // projection, a norm's output, gate/up, SiLU's output and the down projection.
+  // projection, a norm's output, gate/up, SiLU's output and the down projection; for run_tokens, the embedded rows,
+  // their first norm (fp32 whatever h is) and their rows of the RoPE tables.
   struct Buffers {
     int64_t rows = -1;
     torch::Tensor fused, to_rotate, v, rotated, q, k, attn, attn_rows, o, h, gate_up, act, ffn;
+    torch::Tensor x, first_h, cos, signed_sin;
   };
-  void keep_buffers(int64_t rows, const torch::Tensor& x);
+  void keep_buffers(int64_t rows, int64_t hidden, const torch::TensorOptions& options);
   struct Step {  // run's arguments
     torch::Tensor x, h;
     const torch::Tensor &kv, &cos, &signed_sin, &slot_mapping, &slots, &lengths;

@@ -95,11 +95,12 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
 
 // weight * x / sqrt(mean(x^2) + eps), row by row, x fp32 and untouched: add_rms_norm_'s bits for a delta of
 // -0.0 (x + -0.0 is x), in one call where torch's rms_norm on the CPU runs a dozen ops.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const c10::optional<torch::Tensor>& given) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == torch::kFloat, "shapes do not match");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = output_or_new("rms_norm", given, {x.size(0), x.size(1)}, x.options());
   add_rms_norm_rows<false>(const_cast<float*>(x.data_ptr<float>()), x.stride(0), static_cast<const float*>(nullptr), 0,
                            weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
                            static_cast<float>(eps));
