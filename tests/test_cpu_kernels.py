@@ -491,6 +491,21 @@ def test_argmax_rows_is_torch_argmax(isa):
     logits[5, 77] = float("inf")
     assert torch.equal(cpu_kernels.argmax_rows(logits, isa=isa), logits.argmax(dim=-1))
     assert cpu_kernels.argmax_rows(torch.randn(0, 10), isa=isa).shape == (0,)
+    # rows fewer than threads, as wide as a vocabulary: each row split over the threads
+    wide, before = torch.randn(5, 40000 + 3, generator=g), torch.get_num_threads()
+    wide[0, 30000] = 9.0  # the second part's maximum
+    wide[1, 100] = wide[1, 30000] = 9.0  # a tie across the parts: the first wins
+    wide[2, 35000] = float("nan")  # a NaN in the last part only
+    wide[2, 10] = 9.0
+    wide[3, 5], wide[3, 25000] = float("nan"), float("nan")
+    wide[4] = float("-inf")
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for rows in (wide[:1], wide[1:2], wide[2:3], wide[3:4], wide[4:], wide[:2]):
+                assert torch.equal(cpu_kernels.argmax_rows(rows, isa=isa), rows.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_greedy_takes_any_layout():

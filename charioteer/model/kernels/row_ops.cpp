@@ -208,41 +208,69 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::
   return out;
 }
 
+namespace {
+
+struct FirstMax {
+  int64_t index;
+  float value;
+  bool nan;
+};
+
+// The first index of row[begin, end)'s maximum, or of its first NaN (begin < end).
+FirstMax first_max(const float* row, int64_t begin, int64_t end) {
+  const Vec lowest = vset1(-INFINITY);
+  Vec best = lowest;
+  uint32_t nan = 0;
+  for (int64_t c = begin; c < end; c += kLanes) {
+    const Vec v = vload_n_or(row + c, end - c, lowest);
+    nan |= nan_bits(v);
+    best = vmax(best, v);
+  }
+  if (nan) {
+    int64_t index = begin;
+    while (!std::isnan(row[index])) ++index;
+    return {index, row[index], true};
+  }
+  const float value = vmax_of(best);
+  const Vec top = vset1(value);
+  for (int64_t c = begin; c < end; c += kLanes) {
+    const uint32_t hit = equal_bits(vload_n(row + c, end - c), top, end - c);
+    if (hit) return {c + __builtin_ctz(hit), value, false};
+  }
+  return {begin, value, false};  // not reached: some lane holds the maximum
+}
+
+// Fewer rows than threads, this wide or wider: each row's parts on all threads. A one-stream step's 49152 logits
+// were written by both threads (the LM head's halves of its panels), each half in its writer's cache.
+constexpr int64_t kSplitColumns = 16384;
+
+}  // namespace
+
 // The first index of each row's maximum, NaN counting as the maximum (torch.argmax's rule).
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   check_rows(logits, "logits");
-  const int64_t rows = logits.size(0), cols = logits.size(1);
+  const int64_t rows = logits.size(0), cols = logits.size(1), threads = at::get_num_threads();
   TORCH_CHECK(cols > 0, "logits need at least one column");
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t ls = logits.stride(0);
-  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const float* row = lp + r * ls;
-      const Vec lowest = vset1(-INFINITY);
-      Vec best = lowest;
-      uint32_t nan = 0;
-      for (int64_t c = 0; c < cols; c += kLanes) {
-        const Vec v = vload_n_or(row + c, cols - c, lowest);
-        nan |= nan_bits(v);
-        best = vmax(best, v);
-      }
-      int64_t index = 0;
-      if (nan) {
-        while (!std::isnan(row[index])) ++index;
-      } else {
-        const Vec top = vset1(vmax_of(best));
-        for (int64_t c = 0; c < cols; c += kLanes) {
-          const uint32_t hit = equal_bits(vload_n(row + c, cols - c), top, cols - c);
-          if (hit) {
-            index = c + __builtin_ctz(hit);
-            break;
-          }
-        }
-      }
-      op[r] = index;
+  if (rows >= threads || cols < kSplitColumns || at::in_parallel_region()) {
+    at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) op[r] = first_max(lp + r * ls, 0, cols).index;
+    });
+    return out;
+  }
+  std::vector<FirstMax> parts(threads);
+  for (int64_t r = 0; r < rows; ++r) {
+    at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+      for (int64_t p = first; p < last; ++p) parts[p] = first_max(lp + r * ls, cols * p / threads, cols * (p + 1) / threads);
+    });
+    FirstMax best = parts[0];  // the first part with a NaN, else the first with the largest maximum
+    for (int64_t p = 1; p < threads && !best.nan; ++p) {
+      if (parts[p].nan || parts[p].value > best.value) best = parts[p];
     }
-  });
+    op[r] = best.index;
+  }
   return out;
 }
