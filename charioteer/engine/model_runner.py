@@ -117,6 +117,7 @@ class ModelRunner:
         self.model = model
         self.blocks = blocks
         self.device = model.device if model is not None else torch.device("cpu")
+        self._on_cpu = self.device.type == "cpu"  # tensors made here need no copy
         self.kv = (KVCache(model.config, blocks.num_blocks * blocks.block_size, self.device, dtype=model.dtype)
                    if model is not None else None)
         self.pad_slot = blocks.num_blocks * blocks.block_size  # KVCache's zero slot, here and in every stage
@@ -177,24 +178,24 @@ class ModelRunner:
         decode_slots = lens = decode_runs = None
         if batch.decodes:
             token_ids += [e.request.token_id_at(e.start) for e in batch.decodes]
-            context, ends, decode_runs = self._decode_contexts(batch.decodes)
+            context, ends, decode_runs, last_slots = self._decode_contexts(batch.decodes)
             positions.append(ends - 1)  # a decode runs one token, its context's last
-            slots.append(context[np.arange(len(ends)), ends - 1])
+            slots.append(last_slots)
             decode_slots, lens = torch.from_numpy(context), torch.from_numpy(ends)
             for entry in batch.decodes:
                 rows_per_entry.append([len(flat_rows)] if entry.samples else [])
                 if entry.samples:
                     flat_rows.append(offset)
                 offset += 1
-        dev = self.device
+        dev = self._to_device
         inp = ForwardInput(
-            token_ids=torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(dev),
-            positions=torch.from_numpy(positions[0] if len(positions) == 1 else np.concatenate(positions)).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            prefills=[self._to_device(p) for p in prefills],
+            token_ids=dev(torch.from_numpy(np.array(token_ids, dtype=np.int64))),
+            positions=dev(torch.from_numpy(positions[0] if len(positions) == 1 else np.concatenate(positions))),
+            slot_mapping=dev(torch.from_numpy(slots[0] if len(slots) == 1 else np.concatenate(slots))),
+            prefills=[self._span_to_device(p) for p in prefills] if prefills else prefills,
             num_decodes=len(batch.decodes),
-            decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            logits_rows=torch.from_numpy(np.array(flat_rows, dtype=np.int64)).to(dev),
+            decode_slots=None if decode_slots is None else dev(decode_slots),
+            logits_rows=dev(torch.from_numpy(np.array(flat_rows, dtype=np.int64))),
             decode_runs=decode_runs,
             decode_lengths=lens,
         )
@@ -202,30 +203,39 @@ class ModelRunner:
 
     def _decode_contexts(self, decodes: list[BatchEntry]):
         """Every decode's context slots at once: [D, longest context] padded with the zero slot, the
-        context lengths [D] (both int64 arrays), and each context's (first slot, length) when all are
-        contiguous runs.
+        context lengths [D] and the slots of the decoded tokens [D] (int64 arrays), and each context's
+        (first slot, length) when all are contiguous runs.
 
         One set of array ops for the whole batch (per-request ones cost more than the model's attention at
-        small batches); whether each context is one run is checked per request in Python (run_starts).
+        small batches), and as few as the case needs: at a decode step each costs microseconds with the caches
+        cold. Whether each context is one run is checked per request in Python (run_starts).
         """
         bs = self.blocks.block_size
         tables = [self.blocks.block_table(e.request) for e in decodes]
         end_list = [e.end for e in decodes]
         ends = np.array(end_list, dtype=np.int64)
-        pos = np.arange(max(end_list))
         starts = run_starts(tables, end_list, bs)  # one scattered context: the batched gather serves them all
+        if starts is not None and len(decodes) == 1:  # one run, as wide as the batch: no padding
+            context = np.arange(starts[0], starts[0] + end_list[0], dtype=np.int64)[None, :]
+            return context, ends, [(starts[0], end_list[0])], ends + (starts[0] - 1)
+        pos = np.arange(max(end_list))
         if starts is None:
             widest = max(len(t) for t in tables)
             table = np.array([t + [t[-1]] * (widest - len(t)) for t in tables], dtype=np.int64)
             context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing: other strides
+            last_slots = context[np.arange(len(ends)), ends - 1]
         else:  # every context one run of slots
             context = np.array(starts, dtype=np.int64)[:, None] + pos
+            last_slots = np.array([s + e - 1 for s, e in zip(starts, end_list)], dtype=np.int64)
         context[pos[None, :] >= ends[:, None]] = self.pad_slot
         runs = None if starts is None else list(zip(starts, end_list))
-        return context, ends, runs
+        return context, ends, runs, last_slots
 
-    def _to_device(self, span: PrefillSpan) -> PrefillSpan:
-        if span.context_slots is None or self.device.type == "cpu":
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._on_cpu else t.to(self.device)
+
+    def _span_to_device(self, span: PrefillSpan) -> PrefillSpan:
+        if span.context_slots is None or self._on_cpu:
             return span
         return PrefillSpan(span.offset, span.num_tokens, span.start_pos, span.context_slots.to(self.device),
                            span.mask.to(self.device), span.context_start)
