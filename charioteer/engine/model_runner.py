@@ -150,6 +150,7 @@ class ModelRunner:
         Positions and slots are built in numpy, a tensor each at the end: at a decode step every op's
         cost is its call overhead, and numpy's is a fraction of torch's.
         """
+        prefill_entries, decodes = batch.prefills, batch.decodes  # each a new list, so taken once
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -157,7 +158,7 @@ class ModelRunner:
         flat_rows: list[int] = []  # batch rows whose logits are computed
         rows_per_entry: list[list[int]] = []  # for each entry, its rows of the logits tensor
         offset = 0
-        for entry in batch.prefills:
+        for entry in prefill_entries:
             r, start, end = entry.request, entry.start, entry.end
             token_ids += r.token_slice(start, end)
             positions.append(np.arange(start, end))
@@ -176,13 +177,13 @@ class ModelRunner:
             flat_rows.extend(rows)
             offset += entry.num_tokens
         decode_slots = lens = decode_runs = None
-        if batch.decodes:
-            token_ids += [e.request.token_id_at(e.start) for e in batch.decodes]
-            context, ends, decode_runs, last_slots = self._decode_contexts(batch.decodes)
+        if decodes:
+            token_ids += [e.request.token_id_at(e.start) for e in decodes]
+            context, ends, decode_runs, last_slots = self._decode_contexts(decodes)
             positions.append(ends - 1)  # a decode runs one token, its context's last
             slots.append(last_slots)
             decode_slots, lens = torch.from_numpy(context), torch.from_numpy(ends)
-            for entry in batch.decodes:
+            for entry in decodes:
                 rows_per_entry.append([len(flat_rows)] if entry.samples else [])
                 if entry.samples:
                     flat_rows.append(offset)
@@ -193,13 +194,13 @@ class ModelRunner:
             positions=dev(torch.from_numpy(positions[0] if len(positions) == 1 else np.concatenate(positions))),
             slot_mapping=dev(torch.from_numpy(slots[0] if len(slots) == 1 else np.concatenate(slots))),
             prefills=[self._span_to_device(p) for p in prefills] if prefills else prefills,
-            num_decodes=len(batch.decodes),
+            num_decodes=len(decodes),
             decode_slots=None if decode_slots is None else dev(decode_slots),
             logits_rows=dev(torch.from_numpy(np.array(flat_rows, dtype=np.int64))),
             decode_runs=decode_runs,
             decode_lengths=lens,
         )
-        return inp, batch.prefills + batch.decodes, rows_per_entry
+        return inp, prefill_entries + decodes, rows_per_entry
 
     def _decode_contexts(self, decodes: list[BatchEntry]):
         """Every decode's context slots at once: [D, longest context] padded with the zero slot, the

@@ -228,6 +228,9 @@ def row_block(isa: str | None = None) -> int:
 
 def _kernels(isa: str | None):
     """The extension module of `isa`, or of the chosen ISA for None."""
+    module = _modules.get(isa or chosen_isa())  # loaded: it runs here (each kernel call from Python asks)
+    if module is not None:
+        return module
     if isa is None and chosen_isa() is None:
         raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
     isa = isa or chosen_isa()
