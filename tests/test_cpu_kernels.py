@@ -72,7 +72,7 @@ def test_bad_shapes_are_refused(isa):
 @each_isa
 def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
     """The one-call decode layers keep each output from one layer to the next (`out`): the same bits as a new
-    tensor, and an out of another shape or dtype is refused by name."""
+    tensor, and an out of another shape or dtype, or sharing memory with an input, is refused by name."""
     kernels, g = cpu_kernels._kernels(isa), torch.Generator().manual_seed(0)
     x, w, gate_up = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(3, 80, generator=g)
     panels = cpu_kernels.pack(w, isa=isa)
@@ -86,6 +86,15 @@ def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
         kernels.silu_mul(gate_up, out=act.bfloat16())
     with pytest.raises(RuntimeError, match="rope: out must be a contiguous"):
         kernels.rope(torch.randn(3, 2, 64), torch.randn(3, 64), torch.randn(3, 64), out=torch.empty(6, 64))
+    both = torch.randn(6, 64, generator=g)  # x in its first rows: out below it, then over it
+    norm = torch.rand(64, generator=g)
+    kernels.rms_norm(both[:3], norm, 1e-5, out=both[3:])
+    with pytest.raises(RuntimeError, match="rms_norm: out must not share memory with an input"):
+        kernels.rms_norm(both[:3], norm, 1e-5, out=both[2:5])
+    with pytest.raises(RuntimeError, match="add_rms_norm_: out must not share memory with an input"):
+        kernels.add_rms_norm_(x, both[:3], norm, 1e-5, False, out=both[:3])
+    with pytest.raises(RuntimeError, match="silu_mul: out must not share memory with an input"):
+        kernels.silu_mul(gate_up[:1], out=gate_up[0, 40:].view(1, 40))
 
 
 def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_threads_on_a_bad_slot():

@@ -291,7 +291,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #if !defined(__AVX512F__)
   TORCH_CHECK(!vnni, "gguf_linear: vnni is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
 #endif
-  auto y = output_or_new("gguf_linear", out, {m, n}, x.options());
+  auto y = output_or_new("gguf_linear", out, {m, n}, x.options(), x, packed);
   if (m == 0) return y;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = k / 2;

@@ -38,11 +38,19 @@ inline bool fp32_or_bf16(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
-// A kernel's result tensor: `out` where the caller gives one (checked to be contiguous, of `sizes` and `type`), else a
-// new one. The one-call decode layers keep their outputs from one layer and step to the next: with a step's weights
-// streaming through the caches, each new tensor costs about half a microsecond.
+// A kernel's result tensor: `out` where the caller gives one (checked to be contiguous, of `sizes` and `type`, and to
+// share no memory with `inputs`), else a new one. The one-call decode layers keep their outputs from one layer and step
+// to the next: with a step's weights streaming through the caches, each new tensor costs about half a microsecond.
+void check_out(const char* name, const torch::Tensor& out, at::IntArrayRef sizes, const torch::TensorOptions& options);
+void check_apart(const char* name, const torch::Tensor& out, const torch::Tensor& input);
+template <typename... Inputs>  // inputs by reference: a copy of each would write its reference count
 torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
-                            const torch::TensorOptions& options);
+                            const torch::TensorOptions& options, const Inputs&... inputs) {
+  if (!out.has_value()) return torch::empty(sizes, options);
+  check_out(name, *out, sizes, options);
+  (check_apart(name, *out, inputs), ...);
+  return *out;
+}
 
 int64_t panel_width();  // output columns per packed panel in this build
 int64_t panel_row_block();  // rows the panel GEMM's microkernel computes at once in this build

@@ -140,7 +140,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   if (scale.has_value())
     TORCH_CHECK(scale->dim() == 1 && scale->size(0) == n && scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
                 "scale must be a contiguous fp32 vector of the n = ", n, " output columns' scales");
-  auto y = output_or_new("panel_linear", out, {rows, n}, x.options());
+  auto y = output_or_new("panel_linear", out, {rows, n}, x.options(), x, panels);
   if (rows == 0) return y;
   // x is read in place (its rows may be strided): a K slice of a row block is at most 4 KB, which stays in L1
   // beside the panel slice. Copying x into a broadcast-friendly layout first cost about 1 ns an

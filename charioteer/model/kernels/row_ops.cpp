@@ -21,12 +21,32 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
-                            const torch::TensorOptions& options) {
-  if (!out.has_value()) return torch::empty(sizes, options);
-  TORCH_CHECK(out->sizes() == sizes && out->dtype() == options.dtype() && out->is_contiguous() &&
-              out->device().is_cpu(), name, ": out must be a contiguous ", options.dtype(), " CPU tensor of shape ", sizes);
-  return *out;
+namespace {
+
+// Whether a and b may share memory: their spans of addresses (each view's first to last element) overlap. No
+// storage is touched: at a decode step a weight's is cold, and its reference count an atomic write.
+bool may_overlap(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto span = [](const torch::Tensor& t) {
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    return std::make_pair(first, first + (last + 1) * t.element_size());
+  };
+  const auto [a_first, a_end] = span(a);
+  const auto [b_first, b_end] = span(b);
+  return a_first < b_end && b_first < a_end;
+}
+
+}  // namespace
+
+void check_out(const char* name, const torch::Tensor& out, at::IntArrayRef sizes, const torch::TensorOptions& options) {
+  TORCH_CHECK(out.sizes() == sizes && out.dtype() == options.dtype() && out.is_contiguous() && out.device().is_cpu(),
+              name, ": out must be a contiguous ", options.dtype(), " CPU tensor of shape ", sizes);
+}
+
+void check_apart(const char* name, const torch::Tensor& out, const torch::Tensor& input) {
+  TORCH_CHECK(!may_overlap(out, input), name, ": out must not share memory with an input");
 }
 
 namespace {
@@ -80,7 +100,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
               weight.is_contiguous() && weight.scalar_type() == torch::kFloat, "shapes do not match");
   const int64_t rows = x.size(0), cols = x.size(1);
   auto out = output_or_new("add_rms_norm_", given, {rows, cols},
-                           x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
+                           x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat), x, delta, weight);
   float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
@@ -100,7 +120,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == torch::kFloat, "shapes do not match");
-  auto out = output_or_new("rms_norm", given, {x.size(0), x.size(1)}, x.options());
+  auto out = output_or_new("rms_norm", given, {x.size(0), x.size(1)}, x.options(), x, weight);
   add_rms_norm_rows<false>(const_cast<float*>(x.data_ptr<float>()), x.stride(0), static_cast<const float*>(nullptr), 0,
                            weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
                            static_cast<float>(eps));
@@ -143,7 +163,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(dim % 32 == 0 && cos.size(0) == rows && cos.size(1) == dim && signed_sin.sizes() == cos.sizes(),
               "rope needs head_dim a multiple of 32 and one cos/sin row per token");
-  auto out = output_or_new("rope", given, {rows, heads, dim}, x.options().dtype(torch::kFloat));
+  auto out = output_or_new("rope", given, {rows, heads, dim}, x.options().dtype(torch::kFloat), x, cos, signed_sin);
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -190,7 +210,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::
               "gate_up must be a 2-D fp32 or bf16 tensor with contiguous rows");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width");
-  auto out = output_or_new("silu_mul", given, {rows, inner}, gate_up.options());
+  auto out = output_or_new("silu_mul", given, {rows, inner}, gate_up.options(), gate_up);
   if (gate_up.scalar_type() == torch::kBFloat16) {
     silu_mul_bf16(gate_up, out);
     return out;

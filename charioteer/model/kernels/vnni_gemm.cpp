@@ -173,7 +173,7 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
                                const torch::Tensor& scale, const c10::optional<torch::Tensor>& out) {
   check_int8_panels("vnni_linear_int8", x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
-  auto y = output_or_new("vnni_linear_int8", out, {m, n}, x.options());
+  auto y = output_or_new("vnni_linear_int8", out, {m, n}, x.options(), x, panels, scale);
   if (m == 0) return y;
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, 0);
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
