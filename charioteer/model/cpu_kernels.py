@@ -324,7 +324,9 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
     `amx_pack` instead, `amx_linear` with `amx_tiles`, else `avx512_bf16_linear`. `.run(x, h, kv,
     cos, signed_sin, slot_mapping, slots, lengths)` updates x [D, hidden] in place and returns it; h
     is x's first input norm, kv the [layers, 2, slots + 1, kv_heads, dim] cache, slots and lengths as
-    for `decode_attention`.
+    for `decode_attention`. `.run_tokens(token_ids, positions, embed, cos_table, signed_sin_table, final_norm, kv,
+    slot_mapping, slots, lengths)` does the same for a whole model from its tokens: the embedding's and the RoPE
+    tables' rows, the first norm, `run`, and returns the final norm's output (what the LM head reads).
     """
     return _kernels(isa).DecodeLayers(attn_norm, qkv, o, ffn_norm, gate_up, down, weight_scales or [],
                                       plain_weights or [], native_rows, amx_tiles, vnni, heads, kv_heads, head_dim,
