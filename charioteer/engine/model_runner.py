@@ -226,8 +226,8 @@ class ModelRunner:
             context = np.ascontiguousarray(table[:, pos // bs] * bs + pos % bs)  # fancy indexing: other strides
             last_slots = context[np.arange(len(ends)), ends - 1]
         else:  # every context one run of slots
-            context = np.array(starts, dtype=np.int64)[:, None] + pos
-            last_slots = np.array([s + e - 1 for s, e in zip(starts, end_list)], dtype=np.int64)
+            first = np.array(starts, dtype=np.int64)
+            context, last_slots = first[:, None] + pos, first + ends - 1
         context[pos[None, :] >= ends[:, None]] = self.pad_slot
         runs = None if starts is None else list(zip(starts, end_list))
         return context, ends, runs, last_slots
