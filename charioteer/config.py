@@ -127,6 +127,11 @@ class SchedulerConfig:
     scheduling_policy: str = setting(
         "fcfs", "fcfs: first come, first served; priority: lower request priority first (FCFS among "
                 "equals), and the lowest priority is preempted first", choices=SCHEDULING_POLICIES)
+    num_scheduler_steps: int = setting(
+        1, "a decode-only batch with nothing waiting runs up to this many steps from one plan, each step's "
+           "tokens fed to the next in one loop (vLLM's multi-step scheduling): less Python per token, while "
+           "new requests wait up to that many steps and streams get that many tokens at once (1: off)",
+        metavar="K")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:
@@ -145,6 +150,9 @@ class SchedulerConfig:
         if self.token_budget_mode and self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self.max_chunk_size if self.chunk_size == "auto" else self.chunk_size
         self._check_partial_prefills()
+        steps = self.num_scheduler_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1 (1: one step per plan), got {steps!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
@@ -313,6 +321,9 @@ class EngineArgs:
             elif not isinstance(given, cls):
                 raise TypeError(f"{attr} must be a {cls.__name__}, got {type(given).__name__}")
             setattr(self, attr, given)
+        if self.parallel_config.pipeline_parallel_size > 1 and self.scheduler_config.num_scheduler_steps > 1:
+            raise ValueError("num_scheduler_steps > 1 runs its steps in this process's loop, and pipeline stages run "
+                             "each micro-batch apart: drop --num-scheduler-steps or --pipeline-parallel-size")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineArgs":

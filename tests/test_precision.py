@@ -313,11 +313,16 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
     from charioteer.cli import main
 
     rc = main(["bench", "single-stream", "--model", "synthetic:tiny", "--json", "--formats", "float32,bfloat16,int8",
-               "--prompt-len", "16", "--new-tokens", "4", "--repeats", "2"])
+               "--prompt-len", "16", "--new-tokens", "4", "--repeats", "2", "--scheduler-steps", "1,3"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["format"]: r for r in out["rows"]}
-    assert set(rows) == {"float32", "bfloat16", "int8"}
+    assert set(rows) == {"float32", "bfloat16", "int8", "float32@3", "bfloat16@3", "int8@3"}
+    # each format at 3 steps a plan against itself at one, the others against the first
+    assert out["comparisons"] == [["bfloat16", "float32"], ["int8", "float32"], ["float32@3", "float32"],
+                                  ["bfloat16@3", "bfloat16"], ["int8@3", "int8"]]
+    assert rows["int8@3"]["streamed_mb"] == rows["int8"]["streamed_mb"]
+    assert out["int8@3_over_int8_verdict"] in {"faster", "slower", "not distinguishable"}
     # int8 weights are a quarter of fp32's bytes (plus a scale per row), bf16 half: the KV's share is small
     assert rows["int8"]["streamed_mb"] < rows["bfloat16"]["streamed_mb"] < rows["float32"]["streamed_mb"]
     for row in rows.values():
@@ -362,3 +367,6 @@ def test_bench_single_stream_refuses_an_unknown_format(capsys):
 
     assert main(["bench", "single-stream", "--model", "synthetic:tiny", "--formats", "float32,int4"]) != 0
     assert "--formats: unknown int4; choose from float32, bfloat16, int8, gguf" in capsys.readouterr().err
+    for bad in ("0", "1,x", "2,2", ""):
+        assert main(["bench", "single-stream", "--model", "synthetic:tiny", "--scheduler-steps", bad]) != 0
+        assert f"--scheduler-steps takes distinct integers >= 1, comma-separated, got {bad!r}" in capsys.readouterr().err

@@ -71,6 +71,7 @@ class Workload:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"
     micro_batch_cap: int | None = None  # schedule(max_requests): the pipeline's per-micro-batch cap
+    num_scheduler_steps: int = 1  # a decode-only plan's steps (with one batch in flight, as the engine allows)
 
     def config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -84,6 +85,7 @@ class Workload:
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,
+            num_scheduler_steps=self.num_scheduler_steps,
         )
 
 
@@ -152,9 +154,10 @@ def _prefill_pending(sched) -> bool:
     )
 
 
-def _check_blocks(sched, inflight: list[Batch]) -> None:
+def _check_blocks(sched, inflight: list[Batch], steps_left: int = 0) -> None:
     """KV ownership: disjoint tables, held by running (or aborted in-flight) requests, covering
-    their computed tokens plus what in-flight batches will write."""
+    their computed tokens plus what in-flight batches will write (a multi-step plan: `steps_left`
+    more decode tokens after the batch in flight, whose blocks its plan took)."""
     bm: BlockManager = sched.blocks
     assert 0 <= bm.num_used_blocks <= bm.num_blocks
     free = bm._free
@@ -175,7 +178,7 @@ def _check_blocks(sched, inflight: list[Batch]) -> None:
             rid = e.request.request_id
             assert rid not in scheduled, f"{rid} is in two in-flight batches"
             assert e.request.in_flight
-            scheduled[rid] = e.num_tokens
+            scheduled[rid] = e.num_tokens + steps_left
             flying.add(rid)
     for r in [*sched.running, *sched.waiting]:
         assert r.in_flight == (r.request_id in flying)
@@ -250,7 +253,7 @@ def _check_plan(w: Workload, sched, batch: Batch, before: dict, inflight: list[B
             assert e.num_tokens == 1 and e.samples
     assert not preempted & before["flying"], "an in-flight request was preempted"
     # Every entry's KV slots are reserved, and ownership is consistent.
-    _check_blocks(sched, [*inflight, batch])
+    _check_blocks(sched, [*inflight, batch], batch.num_steps - 1)
     _check_queues(sched)
     if w.kv_policy == "reserve":
         assert not batch.preempted
@@ -338,6 +341,7 @@ def run_workload(w: Workload, check: bool = True) -> Run:
     aborted: list[str] = []
     done: set[str] = set()
     inflight: deque[Batch] = deque()
+    steps_left = 0  # steps of the multi-step plan in flight after its batch in flight
     # Progress bounds, generous: healthy runs take under 3 steps per token of work per batch in
     # flight, and never go more steps than the longest request without sampling a token.
     total_work = sum(s.prompt_len + s.max_tokens for s in w.requests)
@@ -395,6 +399,9 @@ def run_workload(w: Workload, check: bool = True) -> Run:
                 "prefill_pending": _prefill_pending(sched),
             }
             batch = sched.schedule(w.micro_batch_cap)
+            assert batch.num_steps == 1 or (batch.num_steps <= w.num_scheduler_steps and not sched.waiting
+                                            and not any(e.is_prefill for e in batch.entries))
+            steps_left = batch.num_steps - 1
             if pending and not inflight:
                 assert batch, f"empty batch while {sched.num_requests} requests are pending"
             if not pending:
@@ -426,8 +433,15 @@ def run_workload(w: Workload, check: bool = True) -> Run:
                 assert not e.request.in_flight
                 if e.request.is_finished:
                     assert e.request.request_id not in sched.blocks._tables
+            if steps_left:  # the plan's next step runs before anything is planned
+                steps_left -= 1
+                following = sched.next_step(oldest)
+                if following:
+                    inflight.appendleft(following)
+                else:
+                    steps_left = 0
         if check:
-            _check_blocks(sched, list(inflight))
+            _check_blocks(sched, list(inflight), steps_left)
             _check_queues(sched)
         step += 1
 
@@ -542,6 +556,7 @@ def workloads(draw, policies=tuple(POLICIES), kv_policies=("paged", "reserve"), 
         eos_mod=draw(st.sampled_from([3, 10, 50, 1000])),
         seed=draw(st.integers(0, 1000)),
         pipeline_depth=draw(st.sampled_from(depths)),
+        num_scheduler_steps=draw(st.sampled_from([1, 1, 2, 5])) if depths == (1,) else 1,
     )
 
 

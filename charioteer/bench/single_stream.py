@@ -47,8 +47,21 @@ READ_TRIALS = 5  # trials of the read bandwidth in each round, beside that round
 ROUND_BANDWIDTH = "read bandwidth"  # the interleaved run that reads the bandwidth
 
 
+def variants(formats: list[str], scheduler_steps: list[int]) -> dict[str, tuple[str, int]]:
+    """Each run's label -> (format, num_scheduler_steps): every format at each number of steps, the format's
+    name alone at one step, `format@K` at K."""
+    return {fmt if k == 1 else f"{fmt}@{k}": (fmt, k) for k in scheduler_steps for fmt in formats}
+
+
+def baseline(label: str, runs_of: dict[str, tuple[str, int]], first: str) -> str:
+    """What a run is compared with: its format at one step where that ran (`format@K` against `format`),
+    else the first run."""
+    fmt, steps = runs_of[label]
+    return fmt if steps > 1 and fmt in runs_of else first
+
+
 def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
-            roof: dict, progress=None) -> dict:
+            roof: dict, progress=None, scheduler_steps: tuple[int, ...] = (1,)) -> dict:
     """Each format's decode step against two read limits:
     - `of_limit`: `roof`'s stored bandwidth, which the fastest step (or round's reading) first holds to
       its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1;
@@ -56,7 +69,10 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
       among the interleaved formats), or the round's fastest step's read rate where that is higher. A
       shared machine's bandwidth moves by a third from one hour to the next, so this pairs each step
       with what the memory gave at that time."""
-    engines = {f: LLMEngine(EngineArgs(**engine_kwargs, **PRECISION_SETTINGS[f]), loaded=loaded) for f in formats}
+    runs_of = variants(formats, list(scheduler_steps))
+    engines = {label: LLMEngine(EngineArgs(**{**engine_kwargs, "num_scheduler_steps": k}, **PRECISION_SETTINGS[f]),
+                                loaded=loaded) for label, (f, k) in runs_of.items()}
+    formats = list(runs_of)
     read_bandwidth = bandwidth_reader("cpu")
     runs = {f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens))) for f in formats}
     runs[ROUND_BANDWIDTH] = lambda: read_bandwidth(READ_TRIALS)
@@ -71,8 +87,9 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
     rows = [_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths) for f in formats]
     result = {"rows": rows}
     put(result, "round_bandwidth_gbs", round_bandwidths, scale=1e-9, digits=1)
-    for f in formats[1:]:
-        compare(result, f"{f}_over_{formats[0]}", [1 / s for s in samples[f]], [1 / s for s in samples[formats[0]]])
+    result["comparisons"] = [(label, baseline(label, runs_of, formats[0])) for label in formats[1:]]
+    for label, base in result["comparisons"]:
+        compare(result, f"{label}_over_{base}", [1 / s for s in samples[label]], [1 / s for s in samples[base]])
     return result
 
 
@@ -91,16 +108,26 @@ def _format_row(fmt: str, steps: list[float], read: float, bandwidth_gbs: float,
     return row
 
 
+def scheduler_steps(text: str) -> list[int]:
+    """--scheduler-steps: distinct integers >= 1, comma-separated; ValueError otherwise."""
+    words = [w.strip() for w in text.split(",")]
+    steps = [int(w) for w in words if w.isdigit()]
+    if len(steps) < len(words) or min(steps) < 1 or len(set(steps)) < len(steps):
+        raise ValueError(f"--scheduler-steps takes distinct integers >= 1, comma-separated, got {text!r}")
+    return steps
+
+
 def cmd_bench_single_stream(args) -> int:
     formats = choices(args.formats, PRECISION_SETTINGS, "--formats")
+    steps = scheduler_steps(args.scheduler_steps)
     loaded = load_engine_bench(args)
     engine_kwargs = {**setting_kwargs(args), "model": loaded.source, "max_num_seqs": 1}
     prompt = np.random.default_rng(args.seed).integers(1, loaded.config.vocab_size, args.prompt_len).tolist()
     roof = roofline("cpu")
     print(f"model: {loaded.config.name}; one request, {args.prompt_len} prompt tokens, {args.new_tokens} generated; "
           f"read bandwidth {roof['memory_bandwidth_gbs']} GB/s", file=sys.stderr)
-    with progress_bar((len(formats) + 1) * args.repeats, "runs") as bar:
-        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar)
+    with progress_bar((len(formats) * len(steps) + 1) * args.repeats, "runs") as bar:
+        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar, steps)
     result.update({"model": loaded.config.name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
@@ -108,9 +135,9 @@ def cmd_bench_single_stream(args) -> int:
              f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds",
              format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
                                            "of_limit", "of_round_limit"])]
-    lines += [f"{f} over {formats[0]}: {result[f'{f}_over_{formats[0]}']}x "
-              f"{result[f'{f}_over_{formats[0]}_spread']} ({result[f'{f}_over_{formats[0]}_verdict']})"
-              for f in formats[1:]]
+    lines += [f"{f} over {base}: {result[f'{f}_over_{base}']}x "
+              f"{result[f'{f}_over_{base}_spread']} ({result[f'{f}_over_{base}_verdict']})"
+              for f, base in result["comparisons"]]
     emit(args, result, "\n".join(lines))
     return 0
 
@@ -126,6 +153,9 @@ def add_single_stream_bench(bench_sub) -> None:
     p.add_argument("--formats", default="float32,int8",
                    help=f"comma-separated subset of {','.join(PRECISION_SETTINGS)}; the first is the baseline "
                         "(default: float32,int8)")
+    p.add_argument("--scheduler-steps", default="1",
+                   help="comma-separated numbers of steps per decode plan (--num-scheduler-steps), each format run "
+                        "at each, labelled format@K beside K=1 (default: 1)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per round (default: 64)")
     p.add_argument("--repeats", type=int, default=5, help="rounds of every format, after one warm-up (default: 5)")

@@ -238,7 +238,8 @@ class LLMEngine:
         """Run one batch. Returns outputs of finished requests, and of streaming ones that advanced.
 
         With a pipeline: plan micro-batches until N are in flight, then wait for the oldest and
-        return the outputs of its requests. Either way, observers get one StepRecord.
+        return the outputs of its requests. Either way, observers get one StepRecord. A decode-only
+        plan of several steps (num_scheduler_steps) runs them all, with one StepRecord for each.
         """
         t0, cpu0 = time.monotonic(), time.thread_time()
         if self.executor is not None:
@@ -248,6 +249,8 @@ class LLMEngine:
         if ran is None:
             return []
         batch, result, schedule_s, timing = ran
+        if batch.num_steps > 1:
+            return self._finish_steps(batch, result, t0, cpu0, schedule_s)
         execute_s = time.monotonic() - t0 - schedule_s
         outputs, finished = self._finish_batch(batch, result)
         self._publish(batch, finished, t0, cpu0, schedule_s, execute_s, timing)
@@ -260,6 +263,8 @@ class LLMEngine:
             self._check_progress()
             return None
         schedule_s = time.monotonic() - t0
+        if batch.num_steps > 1:
+            return batch, self.runner.execute_steps(batch, self.op_hooks), schedule_s, None
         return batch, self.runner.execute(batch, self.op_hooks), schedule_s, None
 
     def _run_pipeline(self):
@@ -311,19 +316,50 @@ class LLMEngine:
         finished = [r.request_id for r in self.scheduler.on_batch_done(batch, result.tokens)]
         return self._collect(batch), finished
 
+    def _finish_steps(self, batch: Batch, steps, t0: float, cpu0: float, schedule_s: float) -> list[RequestOutput]:
+        """A multi-step plan's steps replayed in order: each updates the requests (on_batch_done) and gets its
+        own record. The records tile the call's time: each holds its step's loop time and an equal share of
+        the planning and of this replay (and of the call's CPU time), so that a record's duration is what its
+        token cost."""
+        records, step_batch = [], batch
+        for k, (result, start, end) in enumerate(steps):
+            step_batch = self.scheduler.next_step(step_batch) if k else batch
+            self.num_steps += 1
+            finished = [r.request_id for r in self.scheduler.on_batch_done(step_batch, result.tokens)]
+            if self._observers:
+                records.append(self._record(step_batch, finished, start, schedule_s / len(steps), 0.0, 0.0,
+                                            end - start, None))
+        outputs = self._collect(batch)
+        if records:
+            share = (time.monotonic() - t0 - sum(r.execute_s for r in records)) / len(records)
+            cpu_s = (time.thread_time() - cpu0) / len(records)
+            begin = t0
+            for record in records:
+                duration = record.execute_s + share
+                self._notify(dataclasses.replace(record, start_time=begin, duration_s=duration, cpu_s=cpu_s,
+                                                 plan_steps=len(steps)))
+                begin += duration
+        return outputs
+
     def _publish(self, batch: Batch, finished: list[str], t0: float, cpu0: float, schedule_s: float,
                  execute_s: float, timing: PipelineTiming | None) -> None:
-        if not self._observers:
-            return
+        if self._observers:
+            self._notify(self._record(batch, finished, t0, schedule_s, time.monotonic() - t0,
+                                      time.thread_time() - cpu0, execute_s, timing))
+
+    def _record(self, batch: Batch, finished: list[str], t0: float, schedule_s: float, duration_s: float,
+                cpu_s: float, execute_s: float, timing: PipelineTiming | None) -> StepRecord:
         blocks, sched = self.blocks, self.scheduler
-        record = StepRecord(
+        return StepRecord(
             index=self.num_steps - 1, entries=entry_records(batch),
             preempted=tuple(r.request_id for r in batch.preempted), finished=tuple(finished),
-            start_time=t0, schedule_s=schedule_s, execute_s=execute_s, duration_s=time.monotonic() - t0,
-            cpu_s=time.thread_time() - cpu0, kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            start_time=t0, schedule_s=schedule_s, execute_s=execute_s, duration_s=duration_s,
+            cpu_s=cpu_s, kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
             kv_blocks_total=blocks.num_blocks, num_running=len(sched.running), num_waiting=len(sched.waiting),
             token_budget=sched.token_budget, pipeline=timing, **self._prefix_cache_counts(),
         )
+
+    def _notify(self, record: StepRecord) -> None:
         for observer in list(self._observers):
             observer(record)
 

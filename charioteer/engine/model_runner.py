@@ -2,6 +2,7 @@
 (greedy, or temperature / top-k / top-p with per-request seeds)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,6 +152,9 @@ class ModelRunner:
         cost is its call overhead, and numpy's is a fraction of torch's.
         """
         prefill_entries, decodes = batch.prefills, batch.decodes  # each a new list, so taken once
+        if not prefill_entries and all(e.samples for e in decodes):
+            inp = self._decode_input(decodes, [e.request.token_id_at(e.start) for e in decodes])
+            return inp, decodes, [[row] for row in range(len(decodes))]
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -202,6 +206,19 @@ class ModelRunner:
         )
         return inp, prefill_entries + decodes, rows_per_entry
 
+    def _decode_input(self, decodes: list[BatchEntry], token_ids: list[int]) -> ForwardInput:
+        """A decode-only batch's input (each entry samples): `token_ids`, one per entry, at the entries' positions."""
+        context, ends, runs, last_slots = self._decode_contexts(decodes)
+        dev = self._to_device
+        return ForwardInput(
+            token_ids=dev(torch.from_numpy(np.array(token_ids, dtype=np.int64))),
+            positions=dev(torch.from_numpy(ends - 1)),  # a decode runs one token, its context's last
+            slot_mapping=dev(torch.from_numpy(last_slots)), prefills=[], num_decodes=len(decodes),
+            decode_slots=dev(torch.from_numpy(context)),
+            logits_rows=dev(torch.from_numpy(np.arange(len(decodes), dtype=np.int64))),
+            decode_runs=runs, decode_lengths=torch.from_numpy(ends),
+        )
+
     def _decode_contexts(self, decodes: list[BatchEntry]):
         """Every decode's context slots at once: [D, longest context] padded with the zero slot, the
         context lengths [D] and the slots of the decoded tokens [D] (int64 arrays), and each context's
@@ -245,6 +262,29 @@ class ModelRunner:
         inp, order, rows_per_entry = self.prepare(batch)
         logits = self.model.forward(inp, self.kv, hooks).float()  # sampling and logprobs in fp32 whatever the dtype
         return self.process(order, rows_per_entry, logits)
+
+    def execute_steps(self, batch: Batch, hooks=None) -> list[tuple[BatchResult, float, float]]:
+        """A decode-only plan's `num_steps` steps in one loop, each step's tokens the next one's input (the
+        scheduler took every step's KV slots). Every step's input is built before the loop, and tokens become
+        Python ints after it: with a step's weights streamed through the caches, each Python op between two
+        forward passes costs microseconds. The requests are not updated here: the engine replays each step's
+        result in order. Returns each step's result with its start and end (time.monotonic())."""
+        decodes = batch.entries
+        ids = [e.request.request_id for e in decodes]
+        params = [e.request.params for e in decodes]
+        first = [e.request.token_id_at(e.start) for e in decodes]
+        inputs = [self._decode_input([e._replace(start=e.start + k) for e in decodes] if k else decodes, first)
+                  for k in range(batch.num_steps)]
+        greedy_only = all(p.greedy for p in params)
+        tokens, steps, times = inputs[0].token_ids, [], [time.monotonic()]
+        for inp in inputs:
+            inp.token_ids = tokens
+            logits = self.model.forward(inp, self.kv, hooks).float()
+            tokens = (greedy(logits) if greedy_only
+                      else self._to_device(torch.tensor(self.sampler.sample(logits, ids, params))))
+            steps.append(tokens)
+            times.append(time.monotonic())
+        return [(BatchResult(tokens=dict(zip(ids, t.tolist()))), times[k], times[k + 1]) for k, t in enumerate(steps)]
 
     def process(self, order: list[BatchEntry], rows_per_entry: list[list[int]], logits: torch.Tensor) -> BatchResult:
         """Sample tokens and gather logprobs from the logits of `prepare`'s rows.

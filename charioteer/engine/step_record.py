@@ -56,6 +56,10 @@ class StepRecord(PlanCounts):
     num_waiting: int
     token_budget: int | None  # the chunk size C the policy planned with (SARATHI), else None
     pipeline: PipelineTiming | None = None  # with pipeline stages: the micro-batch's stage times
+    # Steps of the plan this one belongs to (num_scheduler_steps): 1 for a plan of its own. A multi-step
+    # plan's records tile the time of the step() call that ran it, each with an equal share of its planning
+    # and bookkeeping; its tokens reach the caller together, when the call returns.
+    plan_steps: int = 1
     # Prefix caching: prompt tokens looked up by the admissions of this step, and those found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -78,6 +78,9 @@ class BatchEntry(NamedTuple):
 class Batch(PlanCounts):
     entries: list[BatchEntry] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # requests preempted while planning it
+    # A decode-only plan may run several steps (num_scheduler_steps): each step's token feeds the next, and
+    # on_batch_done follows each step in turn (next_step gives the plan of the steps after the first).
+    num_steps: int = 1
 
     def add(self, request: Request, num_tokens: int) -> BatchEntry:
         start = request.num_computed_tokens
@@ -338,7 +341,41 @@ class Scheduler(ABC):
         batch.preempted[:0] = preempted.preempted
         for entry in batch.entries:
             entry.request.in_flight = True
+        if max_requests is None and self.config.num_scheduler_steps > 1:
+            batch.num_steps = self._decode_steps(batch)
         return batch
+
+    def _decode_steps(self, batch: Batch) -> int:
+        """How many steps a plan runs: up to num_scheduler_steps for decodes alone with nothing else to plan
+        (no request waits, none was preempted), where no request needs the engine between its tokens (logprobs,
+        a grammar) and each has that many tokens left to generate; their KV slots are taken now. Else 1."""
+        steps = self.config.num_scheduler_steps
+        if self.waiting or self._forks or batch.preempted or not batch:
+            return 1
+        for entry in batch.entries:
+            r = entry.request
+            if entry.is_prefill or r.grammar is not None or r.params.logprobs is not None:
+                return 1
+            steps = min(steps, r.params.max_tokens - r.num_output_tokens)
+        size, blocks = self.blocks.block_size, self.blocks
+        missing = sum(max(0, cdiv(e.end + steps - 1, size) - len(blocks.block_table(e.request))) for e in batch.entries)
+        if steps < 2 or missing > blocks.num_free_blocks:
+            return 1
+        for entry in batch.entries:
+            if not blocks.ensure(entry.request, entry.end + steps - 1):
+                raise AssertionError("the free blocks were counted")
+        return steps
+
+    def next_step(self, batch: Batch) -> Batch:
+        """The plan's next step, after on_batch_done of `batch` (its previous one): one decode token for each of
+        its requests that did not finish, in flight again."""
+        step = Batch(num_steps=batch.num_steps)
+        for entry in batch.entries:
+            request = entry.request
+            if not request.is_finished:
+                step.entries.append(BatchEntry(request, request.num_computed_tokens, 1, False, True))
+                request.in_flight = True
+        return step
 
     def _schedule_capped(self, max_requests: int) -> Batch:
         ready = self._ready()
