@@ -319,8 +319,8 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
     rows = {r["format"]: r for r in out["rows"]}
     assert set(rows) == {"float32", "bfloat16", "int8", "float32@3", "bfloat16@3", "int8@3"}
     # each format at 3 steps a plan against itself at one, the others against the first
-    assert out["comparisons"] == [["bfloat16", "float32"], ["int8", "float32"], ["float32@3", "float32"],
-                                  ["bfloat16@3", "bfloat16"], ["int8@3", "int8"]]
+    assert out["comparisons"] == [["float32@3", "float32"], ["bfloat16", "float32"], ["bfloat16@3", "bfloat16"],
+                                  ["int8", "float32"], ["int8@3", "int8"]]
     assert rows["int8@3"]["streamed_mb"] == rows["int8"]["streamed_mb"]
     assert out["int8@3_over_int8_verdict"] in {"faster", "slower", "not distinguishable"}
     # int8 weights are a quarter of fp32's bytes (plus a scale per row), bf16 half: the KV's share is small

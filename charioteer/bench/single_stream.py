@@ -49,8 +49,9 @@ ROUND_BANDWIDTH = "read bandwidth"  # the interleaved run that reads the bandwid
 
 def variants(formats: list[str], scheduler_steps: list[int]) -> dict[str, tuple[str, int]]:
     """Each run's label -> (format, num_scheduler_steps): every format at each number of steps, the format's
-    name alone at one step, `format@K` at K."""
-    return {fmt if k == 1 else f"{fmt}@{k}": (fmt, k) for k in scheduler_steps for fmt in formats}
+    name alone at one step, `format@K` at K; a format's runs side by side (the rounds run in this order, and a
+    shared machine's bandwidth moves within one)."""
+    return {fmt if k == 1 else f"{fmt}@{k}": (fmt, k) for fmt in formats for k in scheduler_steps}
 
 
 def baseline(label: str, runs_of: dict[str, tuple[str, int]], first: str) -> str:
