@@ -153,6 +153,9 @@ class SchedulerConfig:
         steps = self.num_scheduler_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1 (1: one step per plan), got {steps!r}")
+        if steps > 1 and self.tbt_slo_ms is not None:
+            raise ValueError("tbt_slo_ms times each token by its own step, and a multi-step plan's tokens reach their "
+                             "streams together at its end: drop --num-scheduler-steps or --tbt-slo-ms")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")

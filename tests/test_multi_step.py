@@ -74,6 +74,8 @@ def test_num_scheduler_steps_must_be_a_whole_number_of_steps(bad):
         EngineArgs(num_scheduler_steps=bad)
 
 
-def test_multi_step_plans_are_refused_with_pipeline_stages():
+def test_multi_step_plans_are_refused_with_pipeline_stages_and_a_tbt_slo():
     with pytest.raises(ValueError, match="drop --num-scheduler-steps or --pipeline-parallel-size"):
         EngineArgs(num_scheduler_steps=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="drop --num-scheduler-steps or --tbt-slo-ms"):
+        EngineArgs(num_scheduler_steps=2, tbt_slo_ms=100)
