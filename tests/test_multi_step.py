@@ -11,10 +11,12 @@ from texts import PASSAGE
 PROMPTS = [PASSAGE[:150], PASSAGE[200:420], PASSAGE[500:560], PASSAGE[600:900]]
 
 
-def _params() -> list[SamplingParams]:
-    """Greedy to the length cap or EOS, a stop string, a seeded sample, and one wanting logprobs (which
-    needs the engine between its tokens, so plans that hold it run one step)."""
-    return [SamplingParams(temperature=0, max_tokens=29), SamplingParams(temperature=0, max_tokens=40, stop=["Elena"]),
+def _params(tokenizer) -> list[SamplingParams]:
+    """Greedy to a stop token (" future", about 20 tokens in), a stop string, a seeded sample, and one wanting
+    logprobs (which needs the engine between its tokens, so plans that hold it run one step)."""
+    future = tokenizer.encode(" future", add_special_tokens=False)
+    return [SamplingParams(temperature=0, max_tokens=29, stop_token_ids=future),
+            SamplingParams(temperature=0, max_tokens=40, stop=["Elena"]),
             SamplingParams(temperature=0.8, seed=3, max_tokens=21),
             SamplingParams(temperature=0, max_tokens=7, logprobs=2, ignore_eos=True)]
 
@@ -23,7 +25,7 @@ def _run(loaded, steps: int, stream: bool = False, **settings):
     engine = LLMEngine(EngineArgs(num_scheduler_steps=steps, enable_prefix_caching=False, **settings), loaded=loaded)
     records, pieces, finals = [], {}, {}
     engine.subscribe(records.append)
-    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params(loaded.tokenizer))):
         engine.add_request(prompt, params, request_id=str(i), stream=stream)
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -33,6 +35,23 @@ def _run(loaded, steps: int, stream: bool = False, **settings):
                                           out.outputs[0].logprobs)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "a plan's KV blocks leaked"
     return finals, records, pieces
+
+
+def loaded_id(loaded, text: str) -> int:
+    (token,) = loaded.tokenizer.encode(text, add_special_tokens=False)
+    return token
+
+
+def _by_plan(records) -> list[list]:
+    """The records grouped by the plan they belong to (a plan's records follow each other)."""
+    plans, plan = [], []
+    for r in records:
+        plan.append(r)
+        if len(plan) == r.plan_steps:
+            plans.append(plan)
+            plan = []
+    assert not plan, "a plan's records are missing"
+    return plans
 
 
 def _plans(records):
@@ -49,6 +68,10 @@ def test_multi_step_plans_give_the_single_step_tokens_and_records(default_model,
     assert [r.index for r in records] == list(range(len(records)))
     assert {r.plan_steps for r in single_records} == {1}
     assert any(r.plan_steps > 1 for r in records), "no plan ran several steps"
+    assert single["0"][2] == "stop" and single["0"][0][-1] == loaded_id(default_model, " future")
+    plan = next(p for p in _by_plan(records) if any("0" in r.finished for r in p))
+    assert len(plan) > 1, "the stop token was not met inside a plan"
+    assert "0" in plan[-1].finished, "a plan ran on past a stop token"
     for r in records:
         assert r.plan_steps == 1 or (r.kind == "decode" and "3" not in r.request_ids), "logprobs wait for the engine"
         assert r.duration_s > 0 and r.execute_s > 0
@@ -57,15 +80,10 @@ def test_multi_step_plans_give_the_single_step_tokens_and_records(default_model,
 def test_multi_step_records_tile_the_call_and_streams_get_every_piece(default_model):
     finals, records, pieces = _run(default_model, 5, stream=True, dtype="float32")
     assert {rid: text for rid, (_, text, _, _) in finals.items()} == pieces
-    plan = []
-    for r in records:
-        plan.append(r)
-        if len(plan) == r.plan_steps:  # a plan's records follow each other without gaps
-            for before, after in zip(plan, plan[1:]):
-                assert after.start_time == pytest.approx(before.start_time + before.duration_s, abs=1e-9)
-                assert after.plan_steps == before.plan_steps
-            plan = []
-    assert not plan
+    for plan in _by_plan(records):  # a plan's records follow each other without gaps
+        for before, after in zip(plan, plan[1:]):
+            assert after.start_time == pytest.approx(before.start_time + before.duration_s, abs=1e-9)
+            assert after.plan_steps == before.plan_steps
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])

@@ -264,7 +264,7 @@ class ModelRunner:
         return self.process(order, rows_per_entry, logits)
 
     def execute_steps(self, batch: Batch, hooks=None) -> list[tuple[BatchResult, float, float]]:
-        """A decode-only plan's `num_steps` steps in one loop, each step's tokens the next one's input (the
+        """A decode-only plan's `num_steps` steps (fewer where a request samples a stop token) in one loop, each step's tokens the next one's input (the
         scheduler took every step's KV slots). Every step's input is built before the loop, and tokens become
         Python ints after it: with a step's weights streamed through the caches, each Python op between two
         forward passes costs microseconds. The requests are not updated here: the engine replays each step's
@@ -276,6 +276,9 @@ class ModelRunner:
         inputs = [self._decode_input([e._replace(start=e.start + k) for e in decodes] if k else decodes, first)
                   for k in range(batch.num_steps)]
         greedy_only = all(p.greedy for p in params)
+        # a stop token ends the plan after its step, so no step runs a request that has stopped (a stop string
+        # is found only by the replay: that request runs to the plan's end, its later tokens dropped)
+        stops = [set() if p.ignore_eos else {e.request.eos_token_id, *p.stop_token_ids} for e, p in zip(decodes, params)]
         tokens, steps, times = inputs[0].token_ids, [], [time.monotonic()]
         for inp in inputs:
             inp.token_ids = tokens
@@ -284,6 +287,8 @@ class ModelRunner:
                       else self._to_device(torch.tensor(self.sampler.sample(logits, ids, params))))
             steps.append(tokens)
             times.append(time.monotonic())
+            if any(stops) and any(t in stop for t, stop in zip(tokens.tolist(), stops)):
+                break
         return [(BatchResult(tokens=dict(zip(ids, t.tolist()))), times[k], times[k + 1]) for k, t in enumerate(steps)]
 
     def process(self, order: list[BatchEntry], rows_per_entry: list[list[int]], logits: torch.Tensor) -> BatchResult:
