@@ -97,3 +97,28 @@ def test_multi_step_plans_are_refused_with_pipeline_stages_and_a_tbt_slo():
         EngineArgs(num_scheduler_steps=2, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="drop --num-scheduler-steps or --tbt-slo-ms"):
         EngineArgs(num_scheduler_steps=2, tbt_slo_ms=100)
+
+
+def test_multi_step_plans_under_a_tight_kv_cache_and_with_samples(default_model):
+    """Plans take every step's blocks up front, so a tight cache runs shorter plans (or single steps) and
+    preempts as it must; n=2 samples fork after their first token. The tokens stay those of one step a plan."""
+    from charioteer import LLM
+
+    from texts import prompt_ids
+
+    prompts = [prompt_ids(default_model.tokenizer, 40 + 13 * i, offset=7 * i) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=24, ignore_eos=True)]
+    outputs, preemptions = {}, {}
+    for steps in (1, 3):
+        llm = LLM(default_model, dtype="float32", chunk_size=32, max_num_seqs=6, num_kv_blocks=14, block_size=16,
+                  num_scheduler_steps=steps)
+        records = []
+        llm.engine.subscribe(records.append)
+        outputs[steps] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        preemptions[steps] = llm.engine.scheduler.num_preemptions
+        assert llm.engine.blocks.num_used_blocks == 0
+        assert max(r.kv_blocks_used for r in records) <= 14
+    assert outputs[3] == outputs[1]
+    assert preemptions[1] > 0 and preemptions[3] > 0
+    assert any(r.plan_steps > 1 for r in records), "no plan ran several steps"
