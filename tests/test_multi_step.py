@@ -37,7 +37,7 @@ def _run(loaded, steps: int, stream: bool = False, **settings):
     return finals, records, pieces
 
 
-def loaded_id(loaded, text: str) -> int:
+def _token_id(loaded, text: str) -> int:
     (token,) = loaded.tokenizer.encode(text, add_special_tokens=False)
     return token
 
@@ -68,7 +68,7 @@ def test_multi_step_plans_give_the_single_step_tokens_and_records(default_model,
     assert [r.index for r in records] == list(range(len(records)))
     assert {r.plan_steps for r in single_records} == {1}
     assert any(r.plan_steps > 1 for r in records), "no plan ran several steps"
-    assert single["0"][2] == "stop" and single["0"][0][-1] == loaded_id(default_model, " future")
+    assert single["0"][2] == "stop" and single["0"][0][-1] == _token_id(default_model, " future")
     plan = next(p for p in _by_plan(records) if any("0" in r.finished for r in p))
     assert len(plan) > 1, "the stop token was not met inside a plan"
     assert "0" in plan[-1].finished, "a plan ran on past a stop token"

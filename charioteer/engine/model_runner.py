@@ -264,11 +264,12 @@ class ModelRunner:
         return self.process(order, rows_per_entry, logits)
 
     def execute_steps(self, batch: Batch, hooks=None) -> list[tuple[BatchResult, float, float]]:
-        """A decode-only plan's `num_steps` steps (fewer where a request samples a stop token) in one loop, each step's tokens the next one's input (the
-        scheduler took every step's KV slots). Every step's input is built before the loop, and tokens become
-        Python ints after it: with a step's weights streamed through the caches, each Python op between two
-        forward passes costs microseconds. The requests are not updated here: the engine replays each step's
-        result in order. Returns each step's result with its start and end (time.monotonic())."""
+        """A decode-only plan's `num_steps` steps in one loop (fewer where a request samples a stop token), each
+        step's tokens the next one's input (the scheduler took every step's KV slots). Every step's input is
+        built before the loop, and the tokens become Python ints after it (inside it only for the stop-token
+        check): with a step's weights streamed through the caches, each Python op between two forward passes
+        costs microseconds. The requests are not updated here: the engine replays each step's result in order.
+        Returns each step's result with its start and end (time.monotonic())."""
         decodes = batch.entries
         ids = [e.request.request_id for e in decodes]
         params = [e.request.params for e in decodes]
@@ -278,7 +279,8 @@ class ModelRunner:
         greedy_only = all(p.greedy for p in params)
         # a stop token ends the plan after its step, so no step runs a request that has stopped (a stop string
         # is found only by the replay: that request runs to the plan's end, its later tokens dropped)
-        stops = [set() if p.ignore_eos else {e.request.eos_token_id, *p.stop_token_ids} for e, p in zip(decodes, params)]
+        stops = [set() if p.ignore_eos else {e.request.eos_token_id, *p.stop_token_ids}
+                 for e, p in zip(decodes, params)]
         tokens, steps, times = inputs[0].token_ids, [], [time.monotonic()]
         for inp in inputs:
             inp.token_ids = tokens
