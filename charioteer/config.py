@@ -41,6 +41,11 @@ def parse_chunk_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"chunk size must be an integer or 'auto', got {text!r}") from None
 
 
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def _check_min(name: str, value: Any, low: int | float = 1, optional: bool = True) -> None:
     if value is None and optional:
         return
@@ -150,10 +155,8 @@ class SchedulerConfig:
         if self.token_budget_mode and self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self.max_chunk_size if self.chunk_size == "auto" else self.chunk_size
         self._check_partial_prefills()
-        steps = self.num_scheduler_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1 (1: one step per plan), got {steps!r}")
-        if steps > 1 and self.tbt_slo_ms is not None:
+        _check_count("num_scheduler_steps", self.num_scheduler_steps)
+        if self.num_scheduler_steps > 1 and self.tbt_slo_ms is not None:
             raise ValueError("tbt_slo_ms times each token by its own step, and a multi-step plan's tokens reach their "
                              "streams together at its end: drop --num-scheduler-steps or --tbt-slo-ms")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -262,9 +265,7 @@ class ParallelConfig:
               "(default: no cap beyond --max-num-seqs)")
 
     def __post_init__(self) -> None:
-        if isinstance(self.pipeline_parallel_size, bool) or not isinstance(self.pipeline_parallel_size, int) \
-                or self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        _check_count("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_min("micro_batch_cap", self.micro_batch_cap)
 
 

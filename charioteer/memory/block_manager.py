@@ -112,16 +112,29 @@ class BlockManager:
 
     def ensure(self, request: Request, num_tokens: int) -> bool:
         """Make positions [0, num_tokens) addressable. Returns False (changing nothing) if out of blocks."""
-        table = self._tables[request.request_id]
-        missing = cdiv(num_tokens, self.block_size) - len(table)
+        missing = self._missing(request, num_tokens)
         if missing <= 0:
             return True
         if self.policy == "reserve":
-            raise RuntimeError(f"{request.request_id} grew past its reserved {len(table)} blocks")
+            held = len(self._tables[request.request_id])
+            raise RuntimeError(f"{request.request_id} grew past its reserved {held} blocks")
         if missing > self.num_free_blocks:
             return False
         self._grow(request, missing)
         return True
+
+    def ensure_all(self, wanted: list[tuple[Request, int]]) -> bool:
+        """`ensure` for every (request, num_tokens), all or none: False (changing nothing) if out of blocks."""
+        if sum(max(0, self._missing(request, n)) for request, n in wanted) > self.num_free_blocks:
+            return False
+        for request, n in wanted:
+            if not self.ensure(request, n):
+                raise AssertionError("the free blocks were counted")
+        return True
+
+    def _missing(self, request: Request, num_tokens: int) -> int:
+        """Blocks `request` lacks for positions [0, num_tokens) (negative: it holds more)."""
+        return cdiv(num_tokens, self.block_size) - len(self._tables[request.request_id])
 
     # ---- sharing ------------------------------------------------------------------------
 

@@ -357,13 +357,8 @@ class Scheduler(ABC):
             if entry.is_prefill or r.grammar is not None or r.params.logprobs is not None:
                 return 1
             steps = min(steps, r.params.max_tokens - r.num_output_tokens)
-        size, blocks = self.blocks.block_size, self.blocks
-        missing = sum(max(0, cdiv(e.end + steps - 1, size) - len(blocks.block_table(e.request))) for e in batch.entries)
-        if steps < 2 or missing > blocks.num_free_blocks:
+        if steps < 2 or not self.blocks.ensure_all([(e.request, e.end + steps - 1) for e in batch.entries]):
             return 1
-        for entry in batch.entries:
-            if not blocks.ensure(entry.request, entry.end + steps - 1):
-                raise AssertionError("the free blocks were counted")
         return steps
 
     def next_step(self, batch: Batch) -> Batch:
