@@ -237,11 +237,15 @@ def test_gguf_runs_the_files_blocks_or_else_their_fp32_weights(default_model, ke
     fp32 = LLM(default_model, enable_prefix_caching=False)
     if runs:
         assert model.streamed_weight_bytes < 0.2 * fp32.engine.model.streamed_weight_bytes
+    _assert_agrees_with_fp32(llm, fp32, exact=not runs)
+
+
+def _assert_agrees_with_fp32(llm: LLM, fp32: LLM, exact: bool = False) -> None:
+    """Greedy tokens of `llm` on two short prompts: fp32's (`exact`), or at least 3/4 of them position by position."""
     prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
     params = SamplingParams(temperature=0, max_tokens=12)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    reference = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
-    if not runs:
+    ours, reference = ([o.outputs[0].token_ids for o in x.generate(prompts, params)] for x in (llm, fp32))
+    if exact:
         assert ours == reference
     else:
         assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
@@ -387,11 +391,7 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, ki
     packed = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
     five = {704} if five_bit_records() and kinds is Q4_K_M_KINDS else set()  # the Q5_0 gate/up
     assert packed == records | five
-    fp32 = LLM(loaded, enable_prefix_caching=False)
-    prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    ours, reference = ([o.outputs[0].token_ids for o in x.generate(prompts, params)] for x in (llm, fp32))
-    assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+    _assert_agrees_with_fp32(llm, LLM(loaded, enable_prefix_caching=False))
 
 
 @needs_kernel
@@ -412,11 +412,7 @@ def test_lattice_kinds_run_in_the_model_on_their_blocks(default_model):
     downs = [layer["down"] for layer in model.linears]
     assert all(isinstance(lin, GGUFLinear) and lin.panels.shape[-1] == 1280 for lin in downs[:7])
     assert model.decode_layers is not None
-    fp32 = LLM(loaded, enable_prefix_caching=False)
-    prompts = [fp32.tokenizer.encode("The tallest mountain on Earth is"), fp32.tokenizer.encode("1, 2, 3, 4,")]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    ours, reference = ([o.outputs[0].token_ids for o in x.generate(prompts, params)] for x in (llm, fp32))
-    assert sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) >= 0.75 * sum(map(len, reference))
+    _assert_agrees_with_fp32(llm, LLM(loaded, enable_prefix_caching=False))
 
 
 @needs_kernel
