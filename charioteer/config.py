@@ -157,8 +157,9 @@ class SchedulerConfig:
         self._check_partial_prefills()
         _check_count("num_scheduler_steps", self.num_scheduler_steps)
         if self.num_scheduler_steps > 1 and self.tbt_slo_ms is not None:
-            raise ValueError("tbt_slo_ms times each token by its own step, and a multi-step plan's tokens reach their "
-                             "streams together at its end: drop --num-scheduler-steps or --tbt-slo-ms")
+            raise ValueError("tbt_slo_ms steers the prompt budget by the time between tokens, and a multi-step plan's "
+                             "tokens reach their streams together at its end, a gap set by the steps and not the "
+                             "budget: drop --num-scheduler-steps or --tbt-slo-ms")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")

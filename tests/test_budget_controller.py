@@ -196,6 +196,28 @@ def test_time_between_tokens_skips_preempted_requests():
     assert tbt.p99() == 1.0
 
 
+def test_time_between_tokens_counts_a_plans_tokens_at_its_end():
+    """A multi-step plan's tokens reach their streams together when its last record ends: one gap, then zeros."""
+    tbt = TimeBetweenTokens()
+
+    def record(start, entries, plan_step=0, plan_steps=1, finished=()):
+        return StepRecord(entries=entries, index=0, preempted=(), finished=finished, start_time=start, schedule_s=0,
+                          execute_s=0.5, duration_s=0.5, cpu_s=0.5, kv_blocks_used=0, kv_blocks_total=1,
+                          num_running=2, num_waiting=0, token_budget=None, plan_steps=plan_steps, plan_step=plan_step)
+
+    decode = lambda rid: EntryRecord(rid, 9, 1, False, True)  # noqa: E731
+    tbt.observe(record(0.0, (EntryRecord("a", 0, 9, True, True), EntryRecord("b", 0, 9, True, True))))
+    assert tbt.observe(record(0.5, (decode("a"), decode("b")), 0, 3)) == []
+    assert tbt.observe(record(1.0, (decode("a"), decode("b")), 1, 3, finished=("b",))) == []
+    assert tbt.observe(record(1.5, (decode("a"),), 2, 3)) == [1.5, 1.5, 0.0, 0.0, 0.0]
+    assert tbt.observe(record(2.0, (decode("a"),))) == [0.5]
+    # a plan whose first records came before this tracker did: the rest still count at the plan's end
+    late = TimeBetweenTokens()
+    assert late.observe(record(3.0, (decode("a"),), 1, 3)) == []
+    assert late.observe(record(3.5, (decode("a"),), 2, 3)) == [0.0]  # its first token of "a", the next with it
+    assert late.observe(record(4.0, (decode("a"),))) == [0.5]
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ install commands. The trace and stall-accounting tests need no browser.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import threading
@@ -16,7 +17,7 @@ import pytest
 
 from charioteer import LLM, SamplingParams
 from charioteer.cli import main
-from charioteer.engine.step_record import EntryRecord, StepRecord
+from charioteer.engine.step_record import EntryRecord, StepRecord, stream_times
 from charioteer.engine.trace import TraceRecorder, load_trace
 from charioteer.serving.api import ServerConfig
 from charioteer.serving.dashboard import Compactor, DashboardHub, latency_from_records, render_html
@@ -77,6 +78,11 @@ def test_latency_from_records():
             _rec(2, [("a", 9, 1, False, True)], finished=("a",), duration=0.25)]
     ttft, tbt = latency_from_records(recs)
     assert ttft == [0.5] and tbt == [pytest.approx(0.75), pytest.approx(1.0)]
+    # a two-step plan (records 1 and 2): both tokens reach the stream when record 2 ends
+    plan = [recs[0]] + [dataclasses.replace(r, plan_steps=2, plan_step=k) for k, r in enumerate(recs[1:])]
+    assert stream_times(plan) == [0.5, 2.25, 2.25]
+    ttft, tbt = latency_from_records(plan)
+    assert ttft == [0.5] and tbt == [pytest.approx(1.75), 0.0]
 
 
 def test_hub_decimates_and_drops_the_oldest_updates_of_a_slow_client():

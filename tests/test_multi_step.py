@@ -5,6 +5,7 @@ import pytest
 from charioteer import SamplingParams
 from charioteer.config import EngineArgs
 from charioteer.engine.llm_engine import LLMEngine
+from charioteer.engine.tbt import TimeBetweenTokens
 
 from texts import PASSAGE
 
@@ -46,6 +47,7 @@ def _by_plan(records) -> list[list]:
     """The records grouped by the plan they belong to (a plan's records follow each other)."""
     plans, plan = [], []
     for r in records:
+        assert r.plan_step == len(plan) < r.plan_steps
         plan.append(r)
         if len(plan) == r.plan_steps:
             plans.append(plan)
@@ -80,10 +82,15 @@ def test_multi_step_plans_give_the_single_step_tokens_and_records(default_model,
 def test_multi_step_records_tile_the_call_and_streams_get_every_piece(default_model):
     finals, records, pieces = _run(default_model, 5, stream=True, dtype="float32")
     assert {rid: text for rid, (_, text, _, _) in finals.items()} == pieces
-    for plan in _by_plan(records):  # a plan's records follow each other without gaps
+    tbt, plans = TimeBetweenTokens(window=100_000), _by_plan(records)
+    assert any(len(plan) > 1 for plan in plans), "no plan ran several steps"
+    for plan in plans:  # a plan's records follow each other without gaps
         for before, after in zip(plan, plan[1:]):
             assert after.start_time == pytest.approx(before.start_time + before.duration_s, abs=1e-9)
             assert after.plan_steps == before.plan_steps
+        # the server's time between tokens: a plan's tokens after its first step reach their streams with it
+        gaps = [g for r in plan for g in tbt.observe(r)]
+        assert gaps.count(0.0) == sum(len(r.entries) for r in plan[1:])
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])

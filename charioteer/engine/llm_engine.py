@@ -334,10 +334,10 @@ class LLMEngine:
             share = (time.monotonic() - t0 - sum(r.execute_s for r in records)) / len(records)
             cpu_s = (time.thread_time() - cpu0) / len(records)
             begin = t0
-            for record in records:
+            for k, record in enumerate(records):
                 duration = record.execute_s + share
                 self._notify(dataclasses.replace(record, start_time=begin, duration_s=duration, cpu_s=cpu_s,
-                                                 plan_steps=len(steps)))
+                                                 plan_steps=len(steps), plan_step=k))
                 begin += duration
         return outputs
 

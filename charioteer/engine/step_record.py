@@ -60,6 +60,7 @@ class StepRecord(PlanCounts):
     # plan's records tile the time of the step() call that ran it, each with an equal share of its planning
     # and bookkeeping; its tokens reach the caller together, when the call returns.
     plan_steps: int = 1
+    plan_step: int = 0  # this record's place in its plan, 0 to plan_steps - 1
     # Prefix caching: prompt tokens looked up by the admissions of this step, and those found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -85,6 +86,17 @@ class StepRecord(PlanCounts):
 
 
 StepObserver = Callable[[StepRecord], None]
+
+
+def stream_times(records: list[StepRecord]) -> list[float]:
+    """When each record's tokens reached their streams: its own end, or for a record of a multi-step plan the
+    end of the plan's last record (a plan's tokens are handed over together). `records` in engine order."""
+    times, until = [], None
+    for r in reversed(records):
+        if until is None or r.plan_step == r.plan_steps - 1:
+            until = r.start_time + r.duration_s
+        times.append(until)
+    return times[::-1]
 
 
 def entry_records(batch: Batch) -> tuple[EntryRecord, ...]:

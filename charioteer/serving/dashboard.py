@@ -22,7 +22,7 @@ from importlib import resources
 
 from starlette.responses import Response
 
-from charioteer.engine.step_record import StepRecord
+from charioteer.engine.step_record import StepRecord, stream_times
 
 log = logging.getLogger("charioteer.serving")
 
@@ -79,14 +79,13 @@ class Compactor:
 def latency_from_records(records: list[StepRecord]) -> tuple[list[float], list[float]]:
     """(TTFT, time between tokens) samples from records alone, for a trace without a server.
 
-    A token's time is the end of the iteration that sampled it. The records do not say when a
-    request arrived, so TTFT here runs from the start of the first iteration that ran it.
+    A token's time is when the iteration that sampled it handed it over (`stream_times`). The records
+    do not say when a request arrived, so TTFT here runs from the start of the first iteration that ran it.
     """
     first_seen: dict[str, float] = {}
     last_token: dict[str, float] = {}
     ttft, tbt = [], []
-    for rec in records:
-        end = rec.start_time + rec.duration_s
+    for rec, end in zip(records, stream_times(records)):
         for e in rec.entries:
             first_seen.setdefault(e.request_id, rec.start_time)
             if e.samples:
