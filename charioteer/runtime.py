@@ -50,3 +50,16 @@ def tune_allocator() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     _done = ok
     return ok
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the kernel says a new allocation can take without swapping (MemAvailable), or None where
+    /proc/meminfo does not tell (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

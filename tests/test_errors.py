@@ -3,7 +3,9 @@ import pytest
 
 from charioteer import LLM, SamplingParams
 from charioteer.config import EngineArgs
+from charioteer.memory.block_manager import kv_bytes_per_token
 from charioteer.model.loader import load_model
+from charioteer.runtime import available_memory_bytes
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,21 @@ def test_bad_sampling_params(make_params, message):
 def test_bad_engine_args_fail_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs)
+
+
+@pytest.mark.skipif(available_memory_bytes() is None, reason="no MemAvailable in /proc/meminfo")
+@pytest.mark.parametrize("setting", ["kv_cache_memory_gb", "num_kv_blocks"])
+def test_a_kv_cache_larger_than_the_free_memory_is_refused_at_start(tiny_model, setting):
+    # half as much again as is free: without the check, a cache that Linux's overcommit lets through (one below
+    # the machine's total) starts and is killed for memory once serving has written more than is free
+    too_much = available_memory_bytes() * 3 // 2
+    per_block = 16 * kv_bytes_per_token(tiny_model.config.num_layers, tiny_model.config.num_kv_heads,
+                                        tiny_model.config.head_dim, 4)
+    value = too_much / (1 << 30) if setting == "kv_cache_memory_gb" else too_much // per_block
+    with pytest.raises(ValueError, match=r"the KV cache would take [\d.]+ GiB \(\d+ blocks of 16 tokens\) but only "
+                                         r"[\d.]+ GiB of memory is available: lower --kv-cache-memory-gb"):
+        LLM(tiny_model, **{setting: value})
+    assert LLM(tiny_model, kv_cache_memory_gb=0.01).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 
 
 def test_empty_prompts(llm):

@@ -19,10 +19,21 @@ from charioteer.model.llama import LlamaModel
 from charioteer.model.loader import LoadedModel, load_model
 from charioteer.model.precision import dtype_name, resolve_dtype
 from charioteer.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
+from charioteer.runtime import available_memory_bytes
 from charioteer.scheduling import make_scheduler
 from charioteer.scheduling.base import Batch
 
 BUDGET_ALIGN = 16  # the steered budget's step without a --tile-size (the KV block and kernel granularity)
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, kv_token_bytes: int) -> None:
+    """Refuse a KV cache larger than the memory the machine has free. Its pages are committed only as they are
+    written, so one too large would otherwise start and be killed for memory mid-serving, losing every request."""
+    need, free = num_blocks * block_size * kv_token_bytes, available_memory_bytes()
+    if free is not None and need > free:
+        raise ValueError(f"the KV cache would take {need / (1 << 30):.1f} GiB ({num_blocks} blocks of {block_size} "
+                         f"tokens) but only {free / (1 << 30):.1f} GiB of memory is available: lower "
+                         f"--kv-cache-memory-gb or --num-kv-blocks")
 
 
 class LLMEngine:
@@ -40,6 +51,8 @@ class LLMEngine:
         self.kv_token_bytes = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
                                                  self.dtype.itemsize)
         num_blocks = cache.num_blocks or cache.memory_bytes // (cache.block_size * self.kv_token_bytes)
+        if torch.device(args.device).type == "cpu":
+            check_kv_cache_fits(num_blocks, cache.block_size, self.kv_token_bytes)
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.kv_policy, prefer_contiguous=True,
                                    enable_prefix_caching=cache.prefix_caching)
         # Through a weak reference: the scheduler must not keep the engine (its weights, its KV cache)
