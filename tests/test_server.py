@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import re
 import threading
 import time
+import weakref
 
 import httpx
 import openai
@@ -422,3 +424,16 @@ def _load_200_streams(server, offline, system: str, priorities: bool) -> dict[st
     print(f"load: {n_clients} streams in {elapsed:.1f}s, "
           f"{m['charioteer:num_preemptions_total']:.0f} preemptions")
     return m
+
+
+def test_a_stopped_server_lets_go_of_its_engine(default_model):
+    # FastAPI keeps the endpoints it has seen in a module-level cache; were they the Server's bound methods, every
+    # app built in a process would keep its engine (weights, KV cache) for good
+    s = LiveServer(default_model, ServerConfig(), max_num_seqs=1, num_kv_blocks=16, block_size=16)
+    httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "Hi", "max_tokens": 2},
+               timeout=60).raise_for_status()
+    engine = weakref.ref(s.engine)
+    s.stop()
+    del s
+    gc.collect()
+    assert engine() is None, "something still holds the engine of a stopped and dropped server"

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import copy
 import hmac
+import inspect
 import json
 import logging
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -45,17 +47,33 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     app.add_exception_handler(Exception, _on_unexpected)
     if server.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.config.api_key)
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.get_metrics, methods=["GET"])
-    app.add_api_route("/dashboard", server.dashboard_page, methods=["GET"])
-    app.add_api_route("/dashboard/events", server.dashboard_events, methods=["GET"])
-    app.add_api_route("/dashboard/records", server.dashboard_records, methods=["GET"])
-    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.state.server = server  # the app owns the server: the routes hold it weakly (`_weakly`)
+    for path, endpoint, method in (
+            ("/health", server.health, "GET"), ("/metrics", server.get_metrics, "GET"),
+            ("/dashboard", server.dashboard_page, "GET"), ("/dashboard/events", server.dashboard_events, "GET"),
+            ("/dashboard/records", server.dashboard_records, "GET"), ("/v1/models", server.list_models, "GET"),
+            ("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat_completions, "POST"),
+            ("/tokenize", server.tokenize, "POST"), ("/detokenize", server.detokenize, "POST")):
+        app.add_api_route(path, _weakly(endpoint), methods=[method])
     return app
+
+
+def _weakly(endpoint):
+    """An async endpoint, a bound method of a Server, as a function that holds its server through a weak reference.
+
+    FastAPI (0.165) keeps every endpoint it has classified in a module-level cache of 4096 entries, so a bound
+    method given to it kept its Server, and the Server its engine (weights, KV cache), alive after the app was
+    gone: a process that built a few apps held gigabytes. The app owns the server instead (`app.state.server`).
+    """
+    method = weakref.WeakMethod(endpoint)
+
+    async def call(*args, **kwargs):
+        return await method()(*args, **kwargs)
+
+    # FastAPI reads the parameters from the signature; not functools.wraps, whose __wrapped__ holds the method
+    call.__signature__ = inspect.signature(endpoint)
+    call.__name__ = call.__qualname__ = endpoint.__name__
+    return call
 
 
 class Server:
