@@ -75,6 +75,10 @@ class LoadConfig:
         False, "bitwise batch-invariant outputs: a request's tokens and logprobs do not depend on the rest of its "
                "batch, the chunk size, the policy or the pipeline stages (fixed-order kernels; float32 on the "
                "CPU, no quantization)")
+    full_last_layer: bool = setting(
+        False, "run every row through the last layer, as through the others; by default the last layer stores "
+               "every row's K and V but computes the rest only for the rows whose logits are wanted (llama.cpp "
+               "does the same): for timing one or two layers as a deeper model's")
 
     def __post_init__(self) -> None:
         _check_min("num_layers", self.num_layers)

@@ -64,7 +64,8 @@ def balanced_pd(chunk_size: int, batch_size: int) -> float:
 
 def engine_args(policy: str, chunk_size: int | str, batch_size: int, workload: Workload, device: str,
                 tile_size: int | None = None, **extra) -> EngineArgs:
-    """The paper's setup for a policy: KV reserved at admission for exactly B requests of the workload's length."""
+    """The paper's setup for a policy: KV reserved at admission for exactly B requests of the workload's length,
+    every row through every layer (the benchmark model is one layer standing for each of a deeper model's)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     scheduler = {"request-level": "request-level", "orca-worst": "orca", "orca-best": "orca", "sarathi": "sarathi"}[policy]
@@ -73,7 +74,7 @@ def engine_args(policy: str, chunk_size: int | str, batch_size: int, workload: W
         scheduler=scheduler, chunk_size=chunk_size, max_num_seqs=batch_size, max_num_batched_tokens=budget,
         tile_size=tile_size if policy == "sarathi" else None,
         kv_policy="reserve", block_size=BLOCK_SIZE,
-        num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device, **extra,
+        num_kv_blocks=batch_size * cdiv(workload.seq_len, BLOCK_SIZE), device=device, full_last_layer=True, **extra,
     )
 
 

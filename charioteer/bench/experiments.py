@@ -85,11 +85,13 @@ class Setup:
 
 def make_setup(model: str | None, device: str, roofline: dict, num_layers: int | None = None,
                max_cached_tokens: int = 32768, quantization: str | None = None, dtype: str | None = None) -> Setup:
-    """The model in `dtype` (default: the roofline's) and `quantization`, its batch timer, and the roofline."""
+    """The model in `dtype` (default: the roofline's) and `quantization`, its batch timer, and the roofline.
+    Every row runs through every layer (`full_last_layer`), as in the paper's engine: the default model is
+    one layer that stands for each of LLaMA-7B's."""
     loaded = load_model(model or DEFAULT_BENCH_MODEL, num_layers=num_layers)
     dtype = resolve_dtype(dtype or roofline.get("dtype", "float32"), torch.device(device))
     llama = LlamaModel(loaded.config, loaded.state_dict, device, dtype=dtype,
-                       quantization=quantization)
+                       quantization=quantization, full_last_layer=True)
     return Setup(loaded, llama, BatchTimer(llama, max_cached_tokens), device, roofline)
 
 

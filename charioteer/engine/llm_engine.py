@@ -71,11 +71,12 @@ class LLMEngine:
             self.executor = PipelineExecutor(
                 loaded, args.pipeline_parallel_size, num_blocks * cache.block_size, args.device,
                 model_spec=(args.model or loaded.source, args.num_layers, args.seed), dtype=self.dtype,
-                quantization=args.quantization, batch_invariant=args.batch_invariant)
+                quantization=args.quantization, batch_invariant=args.batch_invariant,
+                full_last_layer=args.full_last_layer)
         else:
             self.model = LlamaModel(config, loaded.state_dict, args.device, dtype=self.dtype,
                                     quantization=args.quantization, batch_invariant=args.batch_invariant,
-                                    gguf_blocks=loaded.gguf_blocks)
+                                    gguf_blocks=loaded.gguf_blocks, full_last_layer=args.full_last_layer)
             self.weight_bytes = self.model.weight_bytes
         self.runner = ModelRunner(self.model, self.blocks)
         # Grammars for structured outputs, compiled once per distinct constraint (xgrammar).

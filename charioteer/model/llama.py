@@ -11,6 +11,7 @@ once per batch (its docstring has the table).
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 from dataclasses import dataclass
@@ -656,17 +657,31 @@ def _unprofiled(_name: str, fn):
     return fn()
 
 
+def _span_queries(span: PrefillSpan, wanted: list[int] | None) -> tuple[int, int] | None:
+    """The chunk's queries [first, end), of its own rows, that cover the `wanted` batch rows (increasing; None:
+    every row); None where it has none."""
+    if wanted is None:
+        return 0, span.num_tokens
+    lo = bisect.bisect_left(wanted, span.offset)
+    hi = bisect.bisect_left(wanted, span.offset + span.num_tokens)
+    return None if lo == hi else (wanted[lo] - span.offset, wanted[hi - 1] + 1 - span.offset)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  layer_range: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32,
                  quantization: str | None = None, batch_invariant: bool = False,
-                 gguf_blocks: dict[str, GGUFWeight] | None = None) -> None:
+                 gguf_blocks: dict[str, GGUFWeight] | None = None, full_last_layer: bool = False) -> None:
         """`layer_range` = (start, end): hold only layers [start, end), as a pipeline stage does.
 
         The first stage holds the embedding, the last the final norm and LM head; the default is
         the whole model. `dtype` and `quantization`: see charioteer.model.precision.
         `batch_invariant`: each row's logits bitwise independent of its batch (charioteer.model.invariant).
         `gguf_blocks` (quantization="gguf"): the GGUF file's own blocks of the state dict's weights.
+        `full_last_layer`: every row through the model's last layer, as through the others. By default the
+        last layer stores every row's K and V but runs its attention output, O projection and MLP only on
+        the rows whose logits are wanted (run_layers' `out_rows`), as llama.cpp does: a prompt chunk's other
+        rows end there. Benchmarks that time one or two layers for a deeper model's sake set it.
         """
         if quantization not in (None,) + QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -686,6 +701,7 @@ class LlamaModel:
             raise ValueError(f"layer range [{start}, {end}) is not inside the model's {config.num_layers} layers")
         self.layer_range = (start, end)
         self.is_first, self.is_last = start == 0, end == config.num_layers
+        self.full_last_layer = full_last_layer
         self.kernels = Kernels.choose(config, self.device, dtype, quantization == "int8", batch_invariant,
                                       gguf=quantization == "gguf")
         self.activation_dtype = self.kernels.activation_dtype(dtype)
@@ -800,8 +816,8 @@ class LlamaModel:
                                               self.signed_sin_table, self.final_norm, kv.data, inp.slot_mapping,
                                               inp.decode_slots, inp.decode_lengths)
             return self.lm_head_linear(h)
-        x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks, scratch_input=True)
-        return self.logits(x, inp, hooks)
+        x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks, scratch_input=True, out_rows=inp.logits_rows)
+        return self.logits(x, hooks)
 
     @torch.inference_mode()
     def embed_tokens(self, inp: ForwardInput) -> torch.Tensor:
@@ -810,19 +826,24 @@ class LlamaModel:
 
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, inp: ForwardInput, kv: KVCache, hooks=None,
-                   scratch_input: bool = False) -> torch.Tensor:
+                   scratch_input: bool = False, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this model's layers over hidden states x [T, hidden]; `kv` holds only these layers.
         `scratch_input`: x is the caller's to lose (a fresh embedding), so the residual stream may be
         updated in it, not in a copy: after a decode step's weights have streamed through the caches,
-        every op costs tens of microseconds."""
+        every op costs tens of microseconds.
+        `out_rows` (the last stage: the logits rows, increasing): the result holds only these rows, and
+        unless `full_last_layer` the last layer computes the rest of its work on them alone."""
         c, ops = self.config, self.kernels.ops
         paths = select_paths(self.kernels, inp, kv, profiled=hooks is not None)
         cos, sin = self.cos_table[inp.positions], self.signed_sin_table[inp.positions]
         x = x if scratch_input else ops.residual(x)
         h = self._first_norm(x)
+        every_row = out_rows is None or out_rows.numel() == x.shape[0]  # increasing rows: all of them, in order
         if paths.decode_layers:  # the same kernels in the same order as the loop below: the same bits
-            return self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
-                                          inp.decode_lengths)
+            x = self.decode_layers.run(x, h, kv.data, cos, sin, inp.slot_mapping, inp.decode_slots,
+                                       inp.decode_lengths)
+            return x if every_row else x[out_rows]
+        last = len(self.layers) - 1 if self.is_last and not every_row and not self.full_last_layer else None
         run, k_end = hooks or _unprofiled, c.q_size + c.kv_size
         bf16_norms = bool(self.kernels.native_bf16_rows)  # the next GEMM rounds its input to bf16 anyway
         contexts = self._query_contexts(inp, kv) if self.kernels.invariant else None
@@ -832,8 +853,13 @@ class LlamaModel:
             qk = ops.rope(qkv[:, :k_end].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, k_end:].view(-1, c.num_kv_heads, c.head_dim)
+            rows = out_rows if index == last else None  # the rows this layer's output is wanted for
             attn = run("attention", lambda: self._attention(q, k, v, kv.data[index], inp, paths.decode_attention,
-                                                             contexts))
+                                                             contexts, rows))
+            if rows is not None:
+                x = x[rows]
+                if not rows.numel():  # no row samples: the layer's K and V are stored, nothing else is wanted
+                    return x
             x, h = ops.add_norm(x, run("postproj", lambda: linear["o"](attn)), layer["ffn_norm"], c.rms_norm_eps,
                                 bf16_norms)
             ffn = run("ffn", lambda: linear["down"](ops.silu_mul(linear["gate_up"](h))))
@@ -841,7 +867,7 @@ class LlamaModel:
                 x, h = ops.add_norm(x, ffn, self.layers[index + 1]["attn_norm"], c.rms_norm_eps, bf16_norms)
             else:
                 x = x + ffn
-        return x
+        return x if every_row or last is not None else x[out_rows]
 
     def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The first layer's input norm: with the native row ops, add_norm's bits, as every later layer's
@@ -860,12 +886,11 @@ class LlamaModel:
         return self.kernels.ops.add_norm(x, torch.full_like(x, -0.0), weight, eps)[1]  # x + -0.0 is x, bit for bit
 
     @torch.inference_mode()
-    def logits(self, x: torch.Tensor, inp: ForwardInput, hooks=None) -> torch.Tensor:
-        """The last stage's output: logits [len(logits_rows), vocab] from the final hidden states."""
+    def logits(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
+        """The last stage's output: logits [rows, vocab] from the final hidden states of the logits rows
+        (run_layers' result with `out_rows`)."""
         run = hooks or _unprofiled
-        every_row = inp.logits_rows.numel() == x.shape[0]  # increasing rows, so all of them in order
-        h = self._norm(x if every_row else x[inp.logits_rows], self.final_norm)
-        return run("lm_head", lambda: self.lm_head_linear(h))
+        return run("lm_head", lambda: self.lm_head_linear(self._norm(x, self.final_norm)))
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
         """Rows `slots` of a K or V cache, copied into a buffer reused across layers and steps.
@@ -887,45 +912,60 @@ class LlamaModel:
                                         inp.num_decodes, kv.pad_slot)
 
     def _attention(self, q, k, v, layer_kv: torch.Tensor, inp: ForwardInput, decode_path: str | None,
-                   contexts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   contexts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         """Store the batch's K/V, then attend: each prefill chunk, then the decodes along `decode_path`;
-        with `contexts` (the batch-invariant mode), every query on its own against its context."""
+        with `contexts` (the batch-invariant mode), every query on its own against its context. `rows`
+        (increasing): only these rows' output is wanted and returned; a chunk's queries past its last
+        wanted one, and before its first, are not computed."""
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         self.kernels.ops.store_kv(k_cache, v_cache, inp.slot_mapping, k, v)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if contexts is not None:
+            if rows is not None:
+                q, contexts = q[rows], (contexts[0][rows], contexts[1][rows])
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             invariant.attend_each_query(q, k_cache, v_cache, *contexts, self.config.head_dim ** -0.5,
                                         self.kernels.invariant == "native", out)
             return out.view(q.shape[0], self.config.q_size)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        wanted = None if rows is None else rows.tolist()
         for span in inp.prefills:
-            self._prefill_attention(span, q, k, v, k_cache, v_cache, out)
+            queries = _span_queries(span, wanted)
+            if queries is not None:
+                self._prefill_attention(span, q, k, v, k_cache, v_cache, out, queries)
         if decode_path is not None:
             first = q.shape[0] - inp.num_decodes
             decode = {"kernel": self._decode_kernel, "in_place": self._decode_in_place,
                       "gathered": self._decode_gathered}[decode_path]
             decode(q[first:], k_cache, v_cache, inp, out[first:])
-        return out.view(q.shape[0], self.config.q_size)
+        out = out.view(q.shape[0], self.config.q_size)
+        return out if rows is None else out[rows]
 
-    def _prefill_attention(self, span: PrefillSpan, q, k, v, k_cache, v_cache, out: torch.Tensor) -> None:
+    def _prefill_attention(self, span: PrefillSpan, q, k, v, k_cache, v_cache, out: torch.Tensor,
+                           queries: tuple[int, int]) -> None:
+        """The chunk's queries [first, end) (of its own rows) against its context."""
         c = self.config
-        rows = slice(span.offset, span.offset + span.num_tokens)
+        chunk = slice(span.offset, span.offset + span.num_tokens)
+        first, end = queries
+        rows, start, keys = slice(span.offset + first, span.offset + end), span.start_pos + first, span.start_pos + end
+        ks, vs = (t[:keys] for t in self._prefill_context(span, k[chunk], v[chunk], k_cache, v_cache))
         if self.kernels.amx_attention:
-            ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
-            cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, span.start_pos, c.head_dim ** -0.5,
-                                              out[rows])
+            cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, start, c.head_dim ** -0.5, out[rows])
             return
         if self.kernels.vector_attention:  # q, the cache and out as they are, fp32 or bf16
-            ks, vs = self._prefill_context(span, k[rows], v[rows], k_cache, v_cache)
             # in bf16 products where widened bf16's GEMMs take them from AVX512-BF16, as SDPA in bf16 would
-            cpu_kernels.prefill_attention(q[rows], ks, vs, span.start_pos, c.head_dim ** -0.5, out[rows],
+            cpu_kernels.prefill_attention(q[rows], ks, vs, start, c.head_dim ** -0.5, out[rows],
                                           bf16_products=self.kernels.tile_kernel == "avx512_bf16")
             return
         # widened bf16 on a CPU with bf16 arithmetic attends in bf16, as its GEMMs run: on AMX, SDPA in
         # bf16 takes half the time of fp32 SDPA on a widened copy of the cache
         dtype = torch.bfloat16 if self.kernels.native_bf16_rows else q.dtype
         qs = q[rows].to(dtype).transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        ks, vs = (t.to(dtype) for t in self._prefill_context(span, k[rows], v[rows], k_cache, v_cache))
+        ks, vs = ks.to(dtype), vs.to(dtype)
         causal, mask = span.context_slots is None, span.mask
+        if (first, end) != (0, span.num_tokens):  # some of the chunk's queries: their rows of the causal mask
+            causal, mask = False, torch.arange(keys, device=q.device)[None, :] <= torch.arange(
+                start, keys, device=q.device)[:, None]
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,

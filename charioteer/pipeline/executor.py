@@ -110,11 +110,12 @@ class PipelineExecutor:
     def __init__(self, loaded, num_stages: int, num_slots: int, device: str = "cpu",
                  model_spec: tuple[str | None, int | None, int] = (None, None, 0),
                  dtype: torch.dtype = torch.float32, quantization: str | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, full_last_layer: bool = False) -> None:
         """`loaded`: the driver's LoadedModel (its weights are shared with spawned stages).
         `model_spec` = (model, num_layers, seed): what stages started by hand load themselves.
         `dtype`, `quantization`: every stage's number formats (charioteer.model.precision);
-        `batch_invariant`: every stage runs the batch-invariant kernels (charioteer.model.invariant)."""
+        `batch_invariant`: every stage runs the batch-invariant kernels (charioteer.model.invariant);
+        `full_last_layer`: the last stage runs every row through its last layer (LlamaModel)."""
         config = loaded.config
         self.num_stages = num_stages
         self.layer_ranges = split_layers(config.num_layers, num_stages)
@@ -130,7 +131,7 @@ class PipelineExecutor:
         cuda = torch.device(device).type == "cuda"
         base = dict(config=config, num_slots=num_slots, device=device, model=model_spec[0],
                     num_layers=model_spec[1], seed=model_spec[2], dtype=dtype, quantization=quantization,
-                    batch_invariant=batch_invariant)
+                    batch_invariant=batch_invariant, full_last_layer=full_last_layer)
         self.env_mode = use_env_rendezvous()
         try:
             if self.env_mode:

@@ -75,7 +75,7 @@ class Stage:
             state_dict, blocks = loaded.state_dict, loaded.gguf_blocks
         self.model = LlamaModel(config, state_dict, self.device, layer_range=(start, end), dtype=init["dtype"],
                                 quantization=init["quantization"], batch_invariant=init.get("batch_invariant", False),
-                                gguf_blocks=blocks)
+                                gguf_blocks=blocks, full_last_layer=init.get("full_last_layer", False))
         del state_dict, blocks
         self.kv = KVCache(config, init["num_slots"], self.device, dtype=init["dtype"], num_layers=end - start)
         self.hidden_size = config.hidden_size
@@ -128,8 +128,8 @@ class Stage:
             with torch.inference_mode():
                 if x is None:
                     x = self.model.embed_tokens(inp)
-                x = self.model.run_layers(x, inp, self.kv)
-                out = self.model.logits(x, inp) if self.is_last and inp.logits_rows.numel() else None
+                x = self.model.run_layers(x, inp, self.kv, out_rows=inp.logits_rows if self.is_last else None)
+                out = self.model.logits(x) if self.is_last and inp.logits_rows.numel() else None
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             end = time.time()

@@ -20,7 +20,9 @@ rows, or any such triples) per layer on one device of a TP group:
 - PP: a send/recv of the activations between stages (each TP rank sends its 1/tp slice over its
   own NIC); it delays the micro-batch but does not occupy either stage's compute.
 - The last stage also runs the LM head for the sampled positions.
-Every kernel pays `kernel_overhead_s`.
+Every kernel pays `kernel_overhead_s`. Every layer is priced on every row: the engine's last layer runs
+its O projection and MLP on the sampled rows alone (`LlamaModel.full_last_layer`), a share of a batch's
+linear work this leaves in, at most 1 / layers of it.
 """
 from __future__ import annotations
 
