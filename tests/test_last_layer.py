@@ -1,5 +1,7 @@
 """The last layer computes only the rows whose logits are wanted (LlamaModel's `full_last_layer` off), and
 that changes neither those logits nor any row's K and V in the cache."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,10 +14,14 @@ PREFILLS = ((40, 0, False), (23, 57, True), (64, 0, True))
 DECODES = (31, 90, 12)
 
 
-def _batch(timer: BatchTimer, prefills=PREFILLS, decodes=DECODES) -> Batch:
+def _batch(timer: BatchTimer, prefills=PREFILLS, decodes=DECODES, prompt_logprobs: int | None = None) -> Batch:
+    """The chunks and decodes as a batch; the chunk at index `prompt_logprobs` wants every row's logits."""
     batch = Batch()
-    for n, cached, samples in prefills:
-        batch.entries.append(BatchEntry(timer._request(cached + n), cached, n, True, samples))
+    for i, (n, cached, samples) in enumerate(prefills):
+        request = timer._request(cached + n)
+        if i == prompt_logprobs:
+            request.params = dataclasses.replace(request.params, prompt_logprobs=1)
+        batch.entries.append(BatchEntry(request, cached, n, True, samples))
     for context in decodes:
         batch.entries.append(BatchEntry(timer._request(context), context - 1, 1, False, True))
     return batch
@@ -59,6 +65,17 @@ def test_pruned_last_layer_keeps_the_logits_and_every_row_of_kv(model):
     else:  # the last layer's GEMMs see 5 rows instead of 130: other kernels, the same sums to rounding
         assert (pruned - full).abs().max().item() < 1e-4
         assert torch.equal(pruned.argmax(-1), full.argmax(-1))
+
+
+def test_a_chunk_that_wants_prompt_logprobs_keeps_its_rows(default_model):
+    model = LlamaModel(default_model.config, default_model.state_dict)
+    timer = BatchTimer(model, 4096)
+    batch = _batch(timer, prompt_logprobs=1)  # the second chunk's 23 rows, beside the others' last rows
+    pruned, kv_pruned, pruned_rows = _run(model, timer, batch, full=False)
+    full, kv_full, _ = _run(model, timer, batch, full=True)
+    assert pruned_rows == [1 + 23 + 3] and pruned.shape == full.shape
+    assert torch.equal(kv_pruned, kv_full)
+    assert (pruned - full).abs().max().item() < 1e-4
 
 
 def test_a_batch_that_samples_nothing_still_fills_the_cache(default_model):
