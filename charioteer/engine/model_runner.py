@@ -10,7 +10,7 @@ import torch
 
 from charioteer.engine import structured_output
 from charioteer.memory.block_manager import BlockManager
-from charioteer.model.llama import ForwardInput, KVCache, LlamaModel, PrefillSpan
+from charioteer.model.llama import ForwardInput, KVCache, LlamaModel, PrefillSpan, causal_mask
 from charioteer.model import cpu_kernels
 from charioteer.request import SamplingParams
 from charioteer.scheduling.base import Batch, BatchEntry
@@ -170,7 +170,7 @@ class ModelRunner:
             slots.append(context[start:].numpy())
             mask = None
             if start > 0:
-                mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                mask = causal_mask(start, end)
             prefills.append(PrefillSpan(offset, entry.num_tokens, start, context if start > 0 else None, mask,
                                         self._contiguous_start(entry, end) if start > 0 else None))
             if self._wants_prompt_logprobs(entry):

@@ -657,6 +657,11 @@ def _unprofiled(_name: str, fn):
     return fn()
 
 
+def causal_mask(start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[end - start, end]: which of positions [0, end) the queries at positions [start, end) see."""
+    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+
+
 def _span_queries(span: PrefillSpan, wanted: list[int] | None) -> tuple[int, int] | None:
     """The chunk's queries [first, end), of its own rows, that cover the `wanted` batch rows (increasing; None:
     every row); None where it has none."""
@@ -964,8 +969,7 @@ class LlamaModel:
         ks, vs = ks.to(dtype), vs.to(dtype)
         causal, mask = span.context_slots is None, span.mask
         if (first, end) != (0, span.num_tokens):  # some of the chunk's queries: their rows of the causal mask
-            causal, mask = False, torch.arange(keys, device=q.device)[None, :] <= torch.arange(
-                start, keys, device=q.device)[:, None]
+            causal, mask = False, causal_mask(start, keys, q.device)
         o = F.scaled_dot_product_attention(
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
