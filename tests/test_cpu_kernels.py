@@ -764,8 +764,10 @@ def test_int8_takes_vnni_below_the_tile_rows_and_its_switch_keeps_the_panel_kern
     kernels = Kernels.choose(config, torch.device("cpu"), quantized=True)
     assert kernels.int8_vnni and not Kernels.choose(config, torch.device("cpu")).int8_vnni  # int8 only
     assert not kernels.gguf_vnni and Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_vnni
-    with pytest.raises(ValueError, match="gguf_vnni runs the GGUF kernel"):
+    with pytest.raises(ValueError, match="gguf_vnni and gguf_int8_activations run the GGUF kernel"):
         dataclasses.replace(kernels, gguf_vnni=True)
+    with pytest.raises(ValueError, match="gguf_vnni and gguf_int8_activations run the GGUF kernel"):
+        dataclasses.replace(kernels, gguf_int8_activations=True)
     lin = Int8Linear(torch.randn(96, 128), torch.float32, kernels.panel_rows, kernels.int8_tile_rows,
                      kernels.int8_tile_kernel, vnni=True)
     small = torch.randn(3, 128)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from charioteer import LLM, SamplingParams
 from charioteer.model import cpu_kernels
 from charioteer.model.gguf_blocks import (BLOCK, BLOCK_BYTES, IQ4_VALUES, KINDS, MIXED_FORM, BlockWeight, FusedWeight,
-                                          GGUFWeight, concat, five_bit_records, per_value)
+                                          GGUFWeight, concat, five_bit_records, int8_activation_records, per_value)
 from charioteer.model.llama import GGUFLinear, Linear
 
 GGUF_KERNEL = cpu_kernels.gguf_unavailable_reason()
@@ -136,17 +136,17 @@ def _magnitude(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     return x.abs().double() @ terms.reshape(w.rows, -1).T
 
 
-def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
-    """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32), the
-    int16 products' exact sums, then d * scale * sum (+ m * the sum of x over its block, or over its 16 values in
-    the mixed form, added in fp32 in order)."""
+def _kernel_model(x: torch.Tensor, w: GGUFWeight, levels: float = 32767.0) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32; to int16,
+    or with `levels` 127 to int8), the integer products' exact sums, then d * scale * sum (+ m * the sum of x over
+    its block, or over its 16 values in the mixed form, added in fp32 in order)."""
     d, m, q = w.fields()
     xb = x.reshape(x.shape[0], -1, BLOCK)
     top = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))  # fp32, as the kernel
-    xq = torch.clamp(torch.round(xb * inv), -32767, 32767).double()
+    inv = torch.where(top > 0, torch.full_like(top, levels) / top, torch.zeros_like(top))  # fp32, as the kernel
+    xq = torch.clamp(torch.round(xb * inv), -levels, levels).double()
     sums = torch.einsum("rbk,nbk->rnb", xq, q.double() * per_value(d.double()))
-    y = (sums * (top / 32767.0).double().squeeze(-1)[:, None]).sum(-1)
+    y = (sums * (top / levels).double().squeeze(-1)[:, None]).sum(-1)
     if m is not None:
         sets = 1 if m.dim() == 2 else m.shape[2]  # m per block of 32 or per 16 values
         xs = xb.reshape(*xb.shape[:2], sets, BLOCK // sets)
@@ -163,8 +163,9 @@ def _kernel_model(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
        blocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), outlier=st.booleans())
 def test_gguf_linear_is_the_block_product(isa, kind, rows, n, blocks, seed, outlier):
     """Against a float64 model of its arithmetic, and within half an int16 step of each block's largest |x|
-    of the exact product on the dequantized weight; rows past a pass (8 or 4) and columns past a panel's 32
-    included. Both builds give the same bits, and so do the AVX512-VNNI sums."""
+    of the exact product on the dequantized weight (an int8 step for the 4-bit forms packed for int8
+    activations); rows past a pass (8 or 4) and columns past a panel's 32 included. Both builds give the same
+    bits, and so do the AVX512-VNNI sums."""
     _check_block_product(isa, kind, rows, n, blocks, seed, outlier)
 
 
@@ -182,19 +183,23 @@ def _check_block_product(isa: str, kind: str, rows: int, n: int, blocks: int, se
     x = torch.from_numpy(rng.standard_normal((rows, w.cols)).astype(np.float32))
     if outlier:
         x[0, 0] = 1000.0
-    y = cpu_kernels.gguf_linear(x, w.pack(five_bits=True), n, isa=isa)  # Q5_0's own records in either build
-    assert y.shape == (rows, n) and y.dtype == torch.float32
-    for other in cpu_kernels.ISAS:
-        if other != isa and cpu_kernels.load_reason(other) is None:
-            assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, isa=other), y)
-    if cpu_kernels.vnni_unavailable_reason(isa) is None:
-        assert torch.equal(cpu_kernels.gguf_linear(x, w.pack(), n, vnni=True, isa=isa), y)
-    magnitude = _magnitude(x, w)
-    assert torch.all((y.double() - _kernel_model(x, w)).abs() <= 1e-6 * magnitude)
-    steps = (x.abs().reshape(rows, blocks, BLOCK).amax(-1) / 32767).double()  # [rows, blocks]
-    w_abs = w.dequantize().abs().double().reshape(n, blocks, BLOCK).sum(-1)  # [n, blocks]
-    bound = 0.5 * steps @ w_abs.T + 1e-6 * magnitude
-    assert torch.all((y.double() - x.double() @ w.dequantize().double().T).abs() <= bound)
+    for int8_x in (False, True) if w.form[0] == 4 else (False,):
+        packed = w.pack(five_bits=True, int8_activations=int8_x)  # Q5_0's own records in either build
+        assert packed.dim() == (4 if int8_x else 3)
+        y = cpu_kernels.gguf_linear(x, packed, n, isa=isa)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        for other in cpu_kernels.ISAS:
+            if other != isa and cpu_kernels.load_reason(other) is None:
+                assert torch.equal(cpu_kernels.gguf_linear(x, packed, n, isa=other), y)
+        if cpu_kernels.vnni_unavailable_reason(isa) is None:
+            assert torch.equal(cpu_kernels.gguf_linear(x, packed, n, vnni=True, isa=isa), y)
+        levels = 127.0 if int8_x else 32767.0
+        magnitude = _magnitude(x, w)
+        assert torch.all((y.double() - _kernel_model(x, w, levels)).abs() <= 1e-6 * magnitude)
+        steps = (x.abs().reshape(rows, blocks, BLOCK).amax(-1) / levels).double()  # [rows, blocks]
+        w_abs = w.dequantize().abs().double().reshape(n, blocks, BLOCK).sum(-1)  # [n, blocks]
+        bound = 0.5 * steps @ w_abs.T + 1e-6 * magnitude
+        assert torch.all((y.double() - x.double() @ w.dequantize().double().T).abs() <= bound)
 
 
 @each_isa
@@ -203,9 +208,14 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
     w = _random_blocks("Q4_1", 40, 3, rng)
     packed = w.pack()
     x = torch.from_numpy(rng.standard_normal((11, 96)).astype(np.float32))
-    batch = cpu_kernels.gguf_linear(x, packed, 40, isa=isa)
-    for i in range(11):
-        assert torch.equal(cpu_kernels.gguf_linear(x[i:i + 1], packed, 40, isa=isa), batch[i:i + 1])
+    for records in (packed, w.pack(int8_activations=True)):
+        batch = cpu_kernels.gguf_linear(x, records, 40, isa=isa)
+        for i in range(11):
+            assert torch.equal(cpu_kernels.gguf_linear(x[i:i + 1], records, 40, isa=isa), batch[i:i + 1])
+    with pytest.raises(RuntimeError, match="the weight must come from BlockWeight.pack"):
+        cpu_kernels.gguf_linear(x, packed.reshape(2, 3, -1, 64), 40, isa=isa)
+    with pytest.raises(RuntimeError, match="the weight must come from BlockWeight.pack"):  # no int8-x 5-bit form
+        cpu_kernels.gguf_linear(x, _random_blocks("Q5_1", 40, 3, rng).pack().reshape(2, 3, 7, 128), 40, isa=isa)
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 96"):
         cpu_kernels.gguf_linear(x[:, :64].contiguous(), packed, 40, isa=isa)
     with pytest.raises(RuntimeError, match="n = 90 does not match the weight's 2 panels"):
@@ -213,6 +223,30 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
     if isa == "avx2":
         with pytest.raises(RuntimeError, match="vnni is in the avx512 build only"):
             cpu_kernels.gguf_linear(x, packed, 40, vnni=True, isa=isa)
+
+
+def test_int8_activations_follow_their_switch(monkeypatch):
+    """The 4-bit forms pack for int8 activations only with CHARIOTEER_GGUF_INT8_ACTIVATIONS=1 (4-d records of the
+    same bytes a block), which the GGUF kernels' choice shows (Kernels.gguf_int8_activations); the other forms
+    keep their records; a value other than 0 or 1 is refused."""
+    from charioteer.model.config import ModelConfig
+    from charioteer.model.llama import Kernels
+
+    config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1)
+    rng = np.random.default_rng(3)
+    q41, q80 = _random_blocks("Q4_1", 32, 2, rng), _random_blocks("Q8_0", 32, 2, rng)
+    assert not int8_activation_records() and q41.pack().dim() == 3
+    assert not Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_int8_activations
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "1")
+    assert int8_activation_records() and q41.pack().shape == (1, 2, 5, 128)
+    assert Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_int8_activations == (GGUF_KERNEL is None)
+    assert not Kernels.choose(config, torch.device("cpu")).gguf_int8_activations  # GGUF blocks only
+    assert torch.equal(GGUFLinear(q41, int8_activations=True).panels, q41.pack())
+    assert torch.equal(q80.pack(), q80.pack(int8_activations=False))
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "yes")
+    with pytest.raises(ValueError, match="CHARIOTEER_GGUF_INT8_ACTIVATIONS=yes is neither 0 nor 1"):
+        q41.pack()
 
 
 def test_gguf_needs_a_gguf_file():

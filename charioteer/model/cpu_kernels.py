@@ -38,7 +38,7 @@ SDPA run such small shapes.
 - `vnni_linear_int8`: int8 weights below those rows with AVX512-VNNI's vpdpwssd on the same panels, x
   quantized to int16 per block of 128 values (`vnni_unavailable_reason`; CHARIOTEER_VNNI=0 keeps the
   panel kernel): 1.1-1.2x the panel kernel at 1-2 rows of SmolLM2, 1.3-1.4x at 4, on a Zen 4. The
-  same switch and check decide whether `gguf_linear` sums its int16 products with it.
+  same switch and check decide whether `gguf_linear` sums its products with it (vpdpbusd, vpdpwssd).
 
 The same sources (kernels/, written over vec_math.h) are compiled once per instruction set into
 their own extension module, with torch's C++ extension loader (ninja, g++), once per machine and
@@ -417,11 +417,12 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, vnni: bool = Fals
     """x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's blocks, packed by
     gguf_blocks.BlockWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
     scale, the weights' q widened to int16, the products summed exactly in int32 per block, then scaled by
-    the block's d (and m times the block's sum of x for the 4-bit forms) in fp32, block after block. A row's
-    result depends on its own row of x alone, and is the same in the AVX2 and the AVX-512 build, and with `vnni`
-    (vnni_unavailable_reason), which sums the int16 products with AVX512-VNNI's vpdpwssd: on a Zen 4, 16
-    requests of SmolLM2 generating 64 tokens each, 1.04-1.09x in three runs, apart from the spread in one
-    (BENCHMARKS.md, `bench switch`)."""
+    the block's d (and m times the block's sum of x where there is an m) in fp32, block after block. A 4-bit
+    form packed with `int8_activations` (4-d) takes x quantized to int8 instead, as llama.cpp's Q8, its unsigned
+    q multiplied four to a lane by vpmaddubsw. A row's result depends on its own row of x alone, and is the same
+    in the AVX2 and the AVX-512 build, and with `vnni` (vnni_unavailable_reason), which sums the products with
+    AVX512-VNNI's vpdpwssd (vpdpbusd for int8 x): on a Zen 4, 16 requests of SmolLM2 generating 64 tokens each,
+    1.04-1.09x in three runs, apart from the spread in one (BENCHMARKS.md, `bench switch`)."""
     return _kernels(isa).gguf_linear(x, packed, n, vnni)
 
 

@@ -250,6 +250,18 @@ def five_bit_records() -> bool:
     return cpu_kernels.chosen_isa() == "avx512"
 
 
+def int8_activation_records() -> bool:
+    """Whether the 4-bit forms (Q4_1, Q4_0, Q4_K) pack for int8 activations: x quantized to int8 per block of 32,
+    as llama.cpp quantizes it to Q8 for them, and multiplied four products a lane (kernels/gguf_gemm.cpp). Off
+    unless CHARIOTEER_GGUF_INT8_ACTIVATIONS=1: on a Zen 4 it ran workload B 1.20-1.27x faster, but its greedy
+    tokens agreed with fp32 on the same weights for 0.46 of the test chats' tokens, against int16's 1.00
+    (BENCHMARKS.md)."""
+    setting = os.environ.get("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0").strip()
+    if setting not in ("0", "1"):
+        raise ValueError(f"CHARIOTEER_GGUF_INT8_ACTIVATIONS={setting} is neither 0 nor 1")
+    return setting == "1"
+
+
 def per_value(d: torch.Tensor) -> torch.Tensor:
     """Fields' d [rows, blocks] or [rows, blocks, sets] as each of the blocks' 32 values' scale [rows, blocks, 32]."""
     d = d.reshape(*d.shape[:2], -1, 1)
@@ -277,12 +289,14 @@ class BlockWeight:
             w = w + per_value(m.float())
         return w.reshape(self.rows, -1)
 
-    def pack(self, five_bits: bool | None = None) -> torch.Tensor:
+    def pack(self, five_bits: bool | None = None, int8_activations: bool | None = None) -> torch.Tensor:
         """uint8 [ceil(rows / 32), cols / 32, record] for cpu_kernels.gguf_linear: per panel of 32 output
         columns (rows past the last are zero) and k block, the columns' d (and m; or 5-bit q's fifth bits),
         then their q in 16-column halves, two k values (int8) or two nibble pairs (4- and 5-bit) side by side
         per column (kernels/gguf_gemm.cpp). `five_bits`: signed 5-bit q (Q5_0's) in their own records or as int8
-        (None: five_bit_records()); unsigned ones, with an m, always in their own."""
+        (None: five_bit_records()); unsigned ones, with an m, always in their own. `int8_activations` (the 4-bit
+        forms; the others ignore it; None: int8_activation_records()): per column four k values as nibble pairs,
+        for x quantized to int8, as [panels, cols / 32, record / 128, 128]."""
         pad = -self.rows % PANEL
         d, m, q = (None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields())
         panels, blocks = q.shape[0] // PANEL, q.shape[1]
@@ -297,9 +311,15 @@ class BlockWeight:
         if bits == 5 and not offset and not (five_bit_records() if five_bits is None else five_bits):
             bits = 8
         signed_five = bits == 5 and not offset  # q - 16 stored as q, the kernel subtracting 16 again
+        quads = bits == 4 and (int8_activation_records() if int8_activations is None else int8_activations)
         q = columns((q + 16 if signed_five else q).view(torch.uint8))  # [panels, blocks, 32 columns, 32 k]
         if bits == 8:  # k = 2u + e -> [u][half][column][e]
             values = q.reshape(panels, blocks, 2, 16, 16, 2).permute(0, 1, 4, 2, 3, 5)
+        elif quads:  # k = 8u + 4s + e, nibble s -> [u][column][e]
+            q = q.reshape(panels, blocks, PANEL, 4, 2, 4)  # [column][u][s][e]
+            values = (q[..., 0, :] | q[..., 1, :] << 4).permute(0, 1, 3, 2, 4)
+            records = torch.cat(scales + [values.reshape(panels, blocks, -1)], dim=-1)
+            return records.reshape(panels, blocks, -1, 128)  # 4-d: the kernel tells these records by it
         else:  # k = 4u + 2s + e, nibble s -> [u][half][column][e]
             q = q.reshape(panels, blocks, 2, 16, 8, 2, 2)  # [half][column][u][s][e]
             if bits == 5:  # per u, half and s, a word of the fifth bits of [column][e]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from charioteer.model import cpu_kernels, huge_pages, invariant
 from charioteer.model.config import ModelConfig
-from charioteer.model.gguf_blocks import KINDS, BlockWeight, GGUFWeight, concat
+from charioteer.model.gguf_blocks import KINDS, BlockWeight, GGUFWeight, concat, int8_activation_records
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
                                         quantize_int8)
@@ -334,15 +334,16 @@ class Int8Linear(NarrowLinear):
 
 class GGUFLinear:
     """y = x @ W.T for W in a GGUF file's own blocks (gguf_blocks.BlockWeight), repacked once for
-    cpu_kernels.gguf_linear, with no fp32 copy: each row of x quantized to int16 per block of 32 values, the
-    products summed exactly per block. fp32 in and out; x in another dtype is widened and the product rounded
-    back to it."""
+    cpu_kernels.gguf_linear, with no fp32 copy: each row of x quantized to int16 per block of 32 values (with
+    `int8_activations`, to int8 for the 4-bit forms, as llama.cpp does), the products summed exactly per block.
+    fp32 in and out; x in another dtype is widened and the product rounded back to it."""
 
     __slots__ = ("panels", "n", "vnni")
 
-    def __init__(self, weight: BlockWeight, vnni: bool = False) -> None:
-        """`vnni`: the sums with AVX512-VNNI (Kernels.gguf_vnni), the same bits."""
-        self.panels = weight.pack()
+    def __init__(self, weight: BlockWeight, vnni: bool = False, int8_activations: bool = False) -> None:
+        """`vnni`: the sums with AVX512-VNNI (Kernels.gguf_vnni), the same bits. `int8_activations`:
+        Kernels.gguf_int8_activations."""
+        self.panels = weight.pack(int8_activations=int8_activations)
         self.n = weight.rows
         self.vnni = vnni
 
@@ -431,6 +432,8 @@ class Kernels:
     vector_attention: bool = False  # prompt chunks attend in cpu_kernels.prefill_attention, not torch's SDPA
     gguf: bool = False  # quantization="gguf": a GGUF file's own blocks on cpu_kernels.gguf_linear (GGUFLinear)
     gguf_vnni: bool = False  # gguf: its sums with AVX512-VNNI's vpdpwssd (cpu_kernels.vnni_unavailable_reason)
+    # gguf: the 4-bit forms' activations quantized to int8, as llama.cpp's (gguf_blocks.int8_activation_records)
+    gguf_int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_layers and not (self.row_ops and self.decode_attention):
@@ -451,8 +454,8 @@ class Kernels:
         if (self.int8_tile_rows or self.int8_vnni) and not self.panel_rows:
             raise ValueError("int8_tile_rows and int8_vnni run int8 weights from the panel kernel's panels: "
                              "they need them")
-        if self.gguf_vnni and not self.gguf:
-            raise ValueError("gguf_vnni runs the GGUF kernel: it needs gguf")
+        if (self.gguf_vnni or self.gguf_int8_activations) and not self.gguf:
+            raise ValueError("gguf_vnni and gguf_int8_activations run the GGUF kernel: they need gguf")
         if self.vector_attention and self.amx_attention:
             raise ValueError("prompt chunks attend on AMX tiles or in the vector kernel, not both")
         if self.onednn_fp32 and (self.packed_gemm or self.invariant):
@@ -507,7 +510,6 @@ class Kernels:
         tile_rows = AMX_MAX_ROWS if amx else AVX512_BF16_MAX_ROWS if avx512_bf16 else NATIVE_BF16_MIN_ROWS - 1
         int8_tiles = cpu_kernels.int8_tile_kernel() if quantized and native else None
         vnni = cpu_kernels.vnni_unavailable_reason() is None
-        amx_attention = amx and amx_attention_enabled(config)
         # fp32 or widened bf16; where AMX computes bf16, its tiles or SDPA in bf16 stay (_prefill_attention): the
         # vector kernel has not been measured against them on such a CPU
         vector = vector_attention_enabled() and native and decode_attention and not amx
@@ -517,9 +519,10 @@ class Kernels:
                    decode_layers=native and row_ops and decode_attention, widened_bf16=widened,
                    native_bf16_rows=tile_rows + 1 if native_gemm else 0,
                    tile_kernel="amx" if amx else "avx512_bf16" if avx512_bf16 else None,
-                   amx_attention=amx_attention, vector_attention=vector,
+                   amx_attention=amx and amx_attention_enabled(config), vector_attention=vector,
                    int8_tile_rows=INT8_TILE_MIN_ROWS if int8_tiles else 0, int8_tile_kernel=int8_tiles,
-                   int8_vnni=quantized and native and vnni, gguf=gguf_kernel, gguf_vnni=gguf_kernel and vnni)
+                   int8_vnni=quantized and native and vnni, gguf=gguf_kernel, gguf_vnni=gguf_kernel and vnni,
+                   gguf_int8_activations=gguf_kernel and int8_activation_records())
 
     def small_batch_rows(self, quantized: bool) -> int:
         """The most rows a linear layer runs on a small-batch path (the panel GEMM, MKL's packed GEMM);
@@ -747,7 +750,7 @@ class LlamaModel:
         def linear(weight: torch.Tensor, bf16_output: bool = False,
                    blocks: BlockWeight | None = None) -> Linear | NarrowLinear | GGUFLinear:
             if blocks is not None and k.gguf:
-                return GGUFLinear(blocks, k.gguf_vnni)
+                return GGUFLinear(blocks, k.gguf_vnni, k.gguf_int8_activations)
             if self.quantization == "int8":
                 return Int8Linear(weight, self.activation_dtype, k.panel_rows, k.int8_tile_rows, k.int8_tile_kernel,
                                   k.int8_vnni)

@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x fp32 @ (q * scale).T with AVX512-VNNI for int8 panels: x quantized to int16 per block of 128 values",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("scale"), py::arg("out") = py::none());
   m.def("gguf_linear", &gguf_linear,
-        "x fp32 @ W.T for W in GGUF Q4_1 or Q8_0 blocks (gguf_blocks): x quantized to int16 per block of 32",
+        "x fp32 @ W.T for W in GGUF blocks (gguf_blocks): x quantized to int16 (or int8) per block of 32",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("vnni") = false, py::arg("out") = py::none());
   m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in vectors", py::arg("q"),

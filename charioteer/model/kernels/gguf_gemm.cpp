@@ -26,9 +26,18 @@
 // block of 32 (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and
 // column the int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x where there is
 // an m; in the mixed form each m times its 16 k's sum of x), in fp32, block after block in k order.
+// With int8 activations (BlockWeight.pack's int8_activations, as llama.cpp quantizes x to Q8 for its 4-bit
+// kinds), the two 4-bit forms come as [N/32][K/32][record / 128][128]: their d and m, then 4 k octets x 32
+// columns x 4 bytes, byte e of column c in octet u holding q[8u + e] | q[8u + 4 + e] << 4. x is quantized to
+// int8 per block of 32 (off by at most half a step of its block's largest / 127), and one 64-byte load (32 on
+// AVX2) split into its low and high nibbles is 16 (8) columns' four k each as unsigned bytes: vpmaddubsw +
+// vpmaddwd (AVX512-VNNI: vpdpbusd) sum a column's four products into an int32. At one row 128 weights take a
+// load, three instructions for the nibbles and two vpdpbusd, where int16 products take ten (Zen 4, one thread,
+// Q4_1 in L2: 72 against 35 GB/s of records).
 // A row's result depends on its own row of x alone, and is the same in both builds (AVX-512: 16 columns a
-// vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd: the same int32 sums, as
-// no pair of products can overflow them with |x| <= 32767 and |q| <= 128).
+// vector; AVX2: 8) and with `vnni` (AVX512-VNNI's vpdpwssd for vpmaddwd + vpaddd, vpdpbusd for vpmaddubsw +
+// vpmaddwd + vpaddd: the same int32 sums, as no pair of products can overflow them with |x| <= 32767 and
+// |q| <= 128, nor vpmaddubsw's int16 with |x| <= 127 and q <= 15).
 #include "kernels.h"
 #include "vec_math.h"
 
@@ -38,6 +47,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -55,22 +65,26 @@ constexpr int64_t kMixedRecord = 16 * kCols + kBlock * kCols;                   
 
 // A record's form: its q as nibbles (with a fifth bit or not) or int8, with an offset m or not, its scales in
 // fp16 or fp32, one set of d per block of 32 k or (int8 q) one per 16.
-enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves, kQ50, kQ51F32, kMixed };
+// kQ41Q8 and kQ41F32Q8: Q4_1's records as [5 or 6][128] bytes (BlockWeight.pack's int8_activations), for int8 x.
+enum class Form { kQ41, kQ80, kQ41F32, kQ80Halves, kQ50, kQ51F32, kMixed, kQ41Q8, kQ41F32Q8 };
 template <Form F>
 constexpr bool kFifth = F == Form::kQ50 || F == Form::kQ51F32;  // nibbles and a fifth bit
 template <Form F>
+constexpr bool kQuads = F == Form::kQ41Q8 || F == Form::kQ41F32Q8;  // u8 q times int8 x, four k a lane
+template <Form F>
 constexpr bool kNibbles = F == Form::kQ41 || F == Form::kQ41F32 || kFifth<F>;
 template <Form F>
-constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32 || F == Form::kQ51F32 || F == Form::kMixed;  // m
+constexpr bool kOffset = F == Form::kQ41 || F == Form::kQ41F32 || kQuads<F> || F == Form::kQ51F32 || F == Form::kMixed;
 template <Form F>
 constexpr int kOffsets = !kOffset<F> ? 0 : F == Form::kMixed ? 2 : 1;  // sets of m a block: one per set of d, or one
 template <Form F>
-constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ80 || F == Form::kQ50 ? 2 : 4;
+constexpr int64_t kScaleBytes = F == Form::kQ41 || F == Form::kQ41Q8 || F == Form::kQ80 || F == Form::kQ50 ? 2 : 4;
 template <Form F>
 constexpr int kParts = F == Form::kQ80Halves || F == Form::kMixed ? 2 : 1;  // sets of d a block, each its share of k
 template <Form F>
-constexpr int64_t kRecord = F == Form::kQ41 ? kQ41Record : F == Form::kQ80 ? kQ80Record
-                          : F == Form::kQ41F32 ? kQ41F32Record : F == Form::kQ80Halves ? kQ80HalvesRecord
+constexpr int64_t kRecord = F == Form::kQ41 || F == Form::kQ41Q8 ? kQ41Record
+                          : F == Form::kQ41F32 || F == Form::kQ41F32Q8 ? kQ41F32Record
+                          : F == Form::kQ80 ? kQ80Record : F == Form::kQ80Halves ? kQ80HalvesRecord
                           : F == Form::kQ50 ? kQ50Record : F == Form::kQ51F32 ? kQ51F32Record : kMixedRecord;
 
 // int16 pairs in vectors of the build's width: kPairLanes columns' (k, k + 1) pairs a vector.
@@ -107,6 +121,20 @@ struct DotSums {  // vpdpwssd: the multiply and the add in one instruction
     return _mm512_dpwssd_epi32(sum, w, _mm512_set1_epi32(x));
   }
 };
+inline IVec load_ivec(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec byte_nibbles(IVec w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+inline IVec byte_high_nibbles(IVec w) { return byte_nibbles(_mm512_srli_epi16(w, 4)); }
+struct ByteSums {  // u8 q times int8 x: vpmaddubsw's int16 pair sums (at most 2 * 15 * 127: none saturates), vpmaddwd
+  static IVec add(IVec sum, IVec w, int32_t x) {
+    const IVec pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x));
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  }
+};
+struct ByteDotSums {  // vpdpbusd: the four products and the add in one instruction, the same sums
+  CHARIOTEER_VNNI_TARGET static IVec add(IVec sum, IVec w, int32_t x) {
+    return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x));
+  }
+};
 #else
 using IVec = __m256i;
 using Bytes = __m128i;
@@ -134,6 +162,15 @@ inline IVec fifth_bits_unsigned(IVec low, uint32_t bits) {  // as the AVX-512 on
 inline IVec fifth_bits(IVec low, uint32_t bits) {
   return _mm256_sub_epi16(fifth_bits_unsigned(low, bits), _mm256_set1_epi16(16));
 }
+inline IVec load_ivec(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const IVec*>(p)); }
+inline IVec byte_nibbles(IVec w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+inline IVec byte_high_nibbles(IVec w) { return byte_nibbles(_mm256_srli_epi16(w, 4)); }
+struct ByteSums {  // as the AVX-512 one
+  static IVec add(IVec sum, IVec w, int32_t x) {
+    const IVec pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+};
 #endif
 constexpr int kVecs = kCols / kPairLanes;       // vectors a panel's columns take
 template <Form F>
@@ -158,12 +195,21 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
     const uint8_t* rec = panel + b * record;
     if (stream)
       for (int64_t line = 0; line < record; line += 64) prefetch_ahead(rec + line);
-    const int32_t* xp = pairs + b * kBlock / 2;
+    const int32_t* xp = pairs + b * kBlock / (kQuads<F> ? 4 : 2);  // x's int8 quads or int16 pairs
     for (int part = 0; part < kParts<F>; ++part) {  // the k (pairs or quads) its d scales
       IVec sum[R][kVecs];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v) sum[r][v] = izero();
-      if constexpr (kNibbles<F>) {
+      if constexpr (kQuads<F>) {  // k octet u: one byte a column and k 8u + e (low nibble), 8u + 4 + e (high)
+        const uint8_t* q = rec + (kParts<F> + kOffsets<F>) * scales;
+        for (int64_t u = 0; u < kBlock / 8; ++u)
+          for (int v = 0; v < kVecs; ++v) {
+            const IVec w = load_ivec(q + 4 * kCols * u + 4 * kPairLanes * v);
+            const IVec low = byte_nibbles(w), high = byte_high_nibbles(w);
+            for (int r = 0; r < R; ++r)
+              sum[r][v] = Sums::add(Sums::add(sum[r][v], low, xp[r * kp + 2 * u]), high, xp[r * kp + 2 * u + 1]);
+          }
+      } else if constexpr (kNibbles<F>) {
         const uint8_t* bits = rec + (kParts<F> + kOffsets<F>) * scales;  // the fifth bits, after d (and m)
         const uint8_t* q = bits + (kFifth<F> ? kFifthBits : 0);
         for (int64_t u = 0; u < kBlock / 4; ++u)
@@ -218,7 +264,8 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
 template <int R, Form F>
 void panel_rows(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum, int64_t blocks,
                 const uint8_t* panel, bool stream, float* y, int64_t ldy, int64_t cols) {
-  panel_body<R, F, MaddSums>(pairs, kp, xscale, xsum, blocks, panel, stream, y, ldy, cols);
+  panel_body<R, F, std::conditional_t<kQuads<F>, ByteSums, MaddSums>>(pairs, kp, xscale, xsum, blocks, panel, stream,
+                                                                      y, ldy, cols);
 }
 
 using PanelRows = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, bool,
@@ -237,7 +284,8 @@ template <int R, Form F>
 CHARIOTEER_VNNI_TARGET void panel_rows_vnni(const int32_t* pairs, int64_t kp, const float* xscale, const float* xsum,
                                             int64_t blocks, const uint8_t* panel, bool stream, float* y, int64_t ldy,
                                             int64_t cols) {
-  panel_body<R, F, DotSums>(pairs, kp, xscale, xsum, blocks, panel, stream, y, ldy, cols);
+  panel_body<R, F, std::conditional_t<kQuads<F>, ByteDotSums, DotSums>>(pairs, kp, xscale, xsum, blocks, panel,
+                                                                         stream, y, ldy, cols);
 }
 
 template <Form F, int... R>
@@ -253,25 +301,31 @@ constexpr RowKernels kRowsVnni = by_rows_vnni<F>(std::make_integer_sequence<int,
 struct FormKernels {
   int64_t record;
   int offsets;
+  bool quads;  // x as int8 quads (the 4-bit forms' int8-activation records), else as int16 pairs
   const RowKernels* rows;
   const RowKernels* rows_vnni;  // nullptr in the AVX2 build
 };
 template <Form F>
 constexpr FormKernels form_kernels() {
 #if defined(__AVX512F__)
-  return {kRecord<F>, kOffsets<F>, &kRows<F>, &kRowsVnni<F>};
+  return {kRecord<F>, kOffsets<F>, kQuads<F>, &kRows<F>, &kRowsVnni<F>};
 #else
-  return {kRecord<F>, kOffsets<F>, &kRows<F>, nullptr};
+  return {kRecord<F>, kOffsets<F>, kQuads<F>, &kRows<F>, nullptr};
 #endif
 }
-constexpr std::array<FormKernels, 7> kForms = {form_kernels<Form::kQ41>(),    form_kernels<Form::kQ80>(),
-                                               form_kernels<Form::kQ41F32>(), form_kernels<Form::kQ80Halves>(),
-                                               form_kernels<Form::kQ50>(),    form_kernels<Form::kQ51F32>(),
-                                               form_kernels<Form::kMixed>()};
+constexpr std::array<FormKernels, 9> kForms = {
+    form_kernels<Form::kQ41>(),  form_kernels<Form::kQ80>(),    form_kernels<Form::kQ41F32>(),
+    form_kernels<Form::kQ80Halves>(), form_kernels<Form::kQ50>(), form_kernels<Form::kQ51F32>(),
+    form_kernels<Form::kMixed>(), form_kernels<Form::kQ41Q8>(), form_kernels<Form::kQ41F32Q8>()};
 
-const FormKernels* form_of(int64_t record) {
+// A packed weight's form: [N/32, K/32, record] for int16 x, [N/32, K/32, record / 128, 128] for int8 x (a 4-bit
+// form's records, repacked for it), else nullptr.
+const FormKernels* form_of(const torch::Tensor& packed) {
+  const bool quads = packed.dim() == 4;
+  if (!(packed.dim() == 3 || (quads && packed.size(3) == 128))) return nullptr;
+  const int64_t record = quads ? packed.size(2) * 128 : packed.size(2);
   for (const FormKernels& form : kForms)
-    if (form.record == record) return &form;
+    if (form.record == record && form.quads == quads) return &form;
   return nullptr;
 }
 
@@ -281,9 +335,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
                           const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
-  const FormKernels* form = packed.dim() == 3 ? form_of(packed.size(2)) : nullptr;
+  const FormKernels* form = form_of(packed);
   TORCH_CHECK(form != nullptr && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
-              "gguf_linear: the weight must come from BlockWeight.pack ([N/32, K/32, record] uint8)");
+              "gguf_linear: the weight must come from BlockWeight.pack ([N/32, K/32, record] uint8, or a 4-bit "
+              "form's [N/32, K/32, record / 128, 128])");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
   TORCH_CHECK(k == blocks * kBlock, "gguf_linear: x has ", k, " columns, the weight ", blocks * kBlock);
   TORCH_CHECK(0 < n && n <= packed.size(0) * kCols && n > (packed.size(0) - 1) * kCols,
@@ -294,15 +349,15 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   auto y = output_or_new("gguf_linear", out, {m, n}, x.options(), x, packed);
   if (m == 0) return y;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
-  const int64_t kp = k / 2;
+  const int64_t kp = form->quads ? k / 4 : k / 2;  // int32 a row of x: int8 quads or int16 pairs
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, blocks * offsets);
   float* sums = quantized.sums;  // the sums of x for the m terms: per block, or per 16 values (the mixed form)
   quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, quantized.pairs, quantized.scales, sums,
-                std::max<int64_t>(offsets, 1));
+                std::max<int64_t>(offsets, 1), form->quads);
   const int32_t* pp = quantized.pairs;
   const float* xs = quantized.scales;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = blocks * packed.size(2);
+  const int64_t panel_bytes = blocks * form->record;
   const RowKernels& kernel = vnni ? *form->rows_vnni : *form->rows;  // vnni: the avx512 build, checked above
   float* yp = y.data_ptr<float>();
   parallel_split(packed.size(0), [&](int64_t first, int64_t last) {

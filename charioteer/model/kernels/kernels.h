@@ -105,10 +105,11 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                const torch::Tensor& scale, const c10::optional<torch::Tensor>& out = c10::nullopt);
 // x [m, k] (rows ldx apart) quantized for int16 products (vnni_gemm.cpp): [m][ceil(k/2)] int32 pairs of int16,
-// each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]) and, with `sums`,
-// the sums of x over each of a block's `sum_parts` equal parts ([m][blocks][sum_parts]).
+// each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]), or with `bytes` for
+// int8 products, [m][ceil(k/4)] int32 quads of int8 scaled by it / 127; with `sums`, the sums of x over each of a
+// block's `sum_parts` equal parts ([m][blocks][sum_parts]).
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
-                   float* sums, int64_t sum_parts = 1);
+                   float* sums, int64_t sum_parts = 1, bool bytes = false);
 // quantize_rows' output for m rows of kp pairs and `blocks` blocks (and `sums` sums a row), in buffers the calling
 // thread keeps from one call to the next: a decode step's GEMMs would otherwise allocate three tensors each, at
 // about 0.4 us apiece with the caches cold.
@@ -120,8 +121,9 @@ struct QuantizedRows {
 QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int64_t sums);
 // x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's own blocks, repacked by BlockWeight.pack
 // (gguf_blocks.py) into [N/32][K/32][record] (gguf_gemm.cpp): x quantized to int16 per block of 32, the
-// weights widened to int16, products summed exactly per block; the same bits in both builds, and with `vnni`
-// (the avx512 build, a CPU with AVX512-VNNI) from vpdpwssd.
+// weights widened to int16, products summed exactly per block; a 4-bit form packed for int8 activations
+// ([N/32][K/32][record / 128][128]): x quantized to int8, the products of its unsigned q four to a lane. The
+// same bits in both builds, and with `vnni` (the avx512 build, a CPU with AVX512-VNNI) from vpdpwssd, vpdpbusd.
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
                           const c10::optional<torch::Tensor>& out = c10::nullopt);
 // The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).

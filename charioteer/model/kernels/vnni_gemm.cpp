@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -42,21 +43,28 @@ inline float largest_magnitude(const float* x, int64_t n) {
   return largest;
 }
 
-// q[i] = x[i] * inv rounded to the nearest integer (ties to even, as nearbyint) and held to +-32767, in vectors.
-inline void quantize_values(const float* x, int64_t n, float inv, int16_t* q) {
-  const Vec times = vset1(inv), low = vset1(-32767.f), high = vset1(32767.f);
+// q[i] = x[i] * inv rounded to the nearest integer (ties to even, as nearbyint) and held to +-limit (32767 for
+// int16 q, 127 for int8), in vectors.
+template <typename Q>
+inline void quantize_values(const float* x, int64_t n, float inv, Q* q) {
+  constexpr float limit = std::is_same_v<Q, int16_t> ? 32767.f : 127.f;
+  const Vec times = vset1(inv), low = vset1(-limit), high = vset1(limit);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const Vec v = vmin(vmax(vround(vmul(vload(x + i), times)), low), high);
 #if defined(__AVX512F__)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+    if constexpr (std::is_same_v<Q, int16_t>)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
 #else
     const __m256i w = _mm256_cvtps_epi32(v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
-                     _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    if constexpr (std::is_same_v<Q, int16_t>) _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), words);
+    else _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
 #endif
   }
-  for (; i < n; ++i) q[i] = static_cast<int16_t>(std::clamp(std::nearbyint(x[i] * inv), -32767.f, 32767.f));
+  for (; i < n; ++i) q[i] = static_cast<Q>(std::clamp(std::nearbyint(x[i] * inv), -limit, limit));
 }
 
 }  // namespace
@@ -70,31 +78,34 @@ QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int6
   return {pairs.data(), scales.data(), sums ? block_sums.data() : nullptr};
 }
 
-// x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), one fp32
-// scale per row and block of `block` values ([m][blocks]) and, where `sums` is given, the sum of x over each of a
-// block's `sum_parts` parts (one fp32 addition after another). Rows in parallel once there are 16K values (a
-// prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each value's bits as the
-// scalar formula's.
+// x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), or with
+// `bytes` int8 quads, [m][kq] int32 each holding x[4j] to x[4j+3] (kq = ceil(k/4)); one fp32 scale per row and
+// block of `block` values ([m][blocks]: its largest magnitude / 32767, or / 127) and, where `sums` is given, the
+// sum of x over each of a block's `sum_parts` parts (one fp32 addition after another). Rows in parallel once
+// there are 16K values (a prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each
+// value's bits as the scalar formula's.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
-                   float* sums, int64_t sum_parts) {
-  const int64_t kp = (k + 1) / 2, blocks = (k + block - 1) / block, part = block / sum_parts;
+                   float* sums, int64_t sum_parts, bool bytes) {
+  const int64_t width = bytes ? 4 : 2, stride = (k + width - 1) / width, part = block / sum_parts;
+  const int64_t blocks = (k + block - 1) / block;
+  const float levels = bytes ? 127.f : 32767.f;
   TORCH_CHECK(sum_parts > 0 && block % sum_parts == 0, "quantize_rows: a block splits into equal sum parts");
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * ldx;
-      auto* q = reinterpret_cast<int16_t*>(pairs + r * kp);
-      q[2 * kp - 1] = 0;  // odd k: the last pair's second value
+      pairs[(r + 1) * stride - 1] = 0;  // k short of the last pair or quad: zero values
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
         const float top = largest_magnitude(row + k0, k1 - k0);
-        const float inv = top > 0.f ? 32767.f / top : 0.f;
-        scales[r * blocks + b] = top / 32767.f;
+        const float inv = top > 0.f ? levels / top : 0.f;
+        scales[r * blocks + b] = top / levels;
         for (int64_t h = 0; sums && h < sum_parts; ++h) {
           float sum = 0.f;
           for (int64_t i = k0 + h * part; i < std::min(k1, k0 + (h + 1) * part); ++i) sum += row[i];
           sums[(r * blocks + b) * sum_parts + h] = sum;
         }
-        quantize_values(row + k0, k1 - k0, inv, q + k0);
+        if (bytes) quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int8_t*>(pairs + r * stride) + k0);
+        else quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int16_t*>(pairs + r * stride) + k0);
       }
     }
   });
