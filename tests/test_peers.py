@@ -1,4 +1,5 @@
 """`charioteer bench peers`: workloads, FLOP counting, and a real side-by-side run of two engines."""
+import json
 import sys
 
 import pytest
@@ -225,3 +226,20 @@ def test_a_runs_file_keeps_each_finished_run_and_a_rerun_resumes_from_it(monkeyp
     ran.clear()
     peers.run_peers(["B"], ["charioteer-sarathi"], quick=True, repeats=1, threads=1, runs_file=str(runs_file))
     assert len(ran) == 1  # another thread count: nothing taken from the file
+
+
+def test_the_command_names_charioteers_kernels_beside_the_roofline(monkeypatch, capsys):
+    """The roofline line names torch's own dispatch; the command also says which of Charioteer's kernel builds
+    ran (CHARIOTEER_AVX512=0 puts the engines on the AVX2 one), in the table's header and in --json."""
+    from charioteer.bench import roofline as rl
+    from charioteer.cli import main
+    from charioteer.model import cpu_kernels
+
+    roof = {"peak_matmul_gflops": 100.0, "memory_bandwidth_gbs": 10.0, "ridge_flops_per_byte": 10.0,
+            "device": "cpu", "dtype": "float32"}
+    monkeypatch.setattr(rl, "roofline", lambda *a, **k: roof)
+    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: {"rows": []})
+    assert main(["bench", "peers", "--workloads", "A", "--engines", "charioteer-sarathi", "--repeats", "2"]) == 0
+    assert f"charioteer's CPU kernels: {cpu_kernels.status()}" in capsys.readouterr().out
+    main(["bench", "peers", "--workloads", "A", "--engines", "charioteer-sarathi", "--repeats", "2", "--json"])
+    assert json.loads(capsys.readouterr().out)["charioteer_kernels"] == cpu_kernels.status()

@@ -47,6 +47,7 @@ from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_
 from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import cpu_model, mfu
 from charioteer.bench.stats import compare, median, put, put_mfu
+from charioteer.model import cpu_kernels
 from charioteer.model.llama import bf16_runs_widened
 from charioteer.model.precision import native_bf16_gemm
 
@@ -477,6 +478,8 @@ def cmd_bench_peers(args) -> int:
     roofs = {dtype: roofline("cpu", dtype=peak_dtype(**PRECISION_SETTINGS[dtype])) for dtype in ("float32",) + dtypes}
     for roof in roofs.values():
         print(describe(roof), file=sys.stderr)
+    # the roofline names torch's own dispatch; Charioteer's kernels follow CHARIOTEER_CPU_KERNELS and _AVX512
+    kernels = cpu_kernels.status()
     runs = sum(len(engine_dtypes(e, dtypes)) for e in engines) * ("A" in workloads or "B" in workloads)
     runs += sum(len(engine_dtypes(e, dtypes)) for e in set(engines) & set(C_ENGINES)) * ("C" in workloads)
     with tqdm(total=runs * args.repeats, desc="engine runs", file=sys.stderr, leave=False) as bar:
@@ -484,9 +487,10 @@ def cmd_bench_peers(args) -> int:
                            args.timeout, roofs["float32"], bar, args.sarathi_token_budget, args.repeats, dtypes, roofs,
                            args.vllm_token_budget, args.runs_file)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(dict(result, charioteer_kernels=kernels)))
     else:
         print("\n".join(describe(roofs[dtype]) for dtype in dtypes))
+        print(f"charioteer's CPU kernels: {kernels}")
         print(f"median [min, max] of {args.repeats} interleaved runs per engine; sarathi_speedup: charioteer-sarathi's "
               "generated tokens/s over the row's, a ratio of medians, with a verdict from the spreads")
         print(format_table(result["rows"], COLUMNS))
