@@ -469,16 +469,21 @@ def test_gguf_vnni_follows_its_switch_and_keeps_the_tokens(default_model, monkey
 
 
 @needs_kernel
-def test_gguf_pipeline_stages_get_their_blocks_and_agree_with_one_process(default_model):
-    """Each stage process receives its layers' blocks (and the last the LM head's) with its state dict."""
+@pytest.mark.parametrize("int8_activations", ["0", "1"])
+def test_gguf_pipeline_stages_get_their_blocks_and_agree_with_one_process(default_model, int8_activations,
+                                                                          monkeypatch):
+    """Each stage process receives its layers' blocks (and the last the LM head's) with its state dict, and
+    packs them as the driver's switch says (CHARIOTEER_GGUF_INT8_ACTIVATIONS, read in each process)."""
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", int8_activations)
     prompts = [[(7 * i + 3 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate([9, 40, 4, 23])]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     one = LLM(default_model, quantization="gguf", chunk_size=16, enable_prefix_caching=False)
-    reference = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
+    assert one.engine.model.kernels.gguf_int8_activations == (int8_activations == "1")
+    reference = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in one.generate(prompts, params)]
     piped = LLM(default_model, quantization="gguf", chunk_size=16, enable_prefix_caching=False,
                 pipeline_parallel_size=2)
     try:
-        outputs = [list(o.outputs[0].token_ids) for o in piped.generate(prompts, params)]
+        outputs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in piped.generate(prompts, params)]
     finally:
         piped.shutdown()
     assert outputs == reference  # every row's GEMMs depend on that row alone, in one process or two
