@@ -236,6 +236,7 @@ def test_int8_activations_follow_their_switch(monkeypatch):
                          num_kv_heads=1)
     rng = np.random.default_rng(3)
     q41, q80 = _random_blocks("Q4_1", 32, 2, rng), _random_blocks("Q8_0", 32, 2, rng)
+    monkeypatch.delenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", raising=False)  # off by default
     assert not int8_activation_records() and q41.pack().dim() == 3
     assert not Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_int8_activations
     monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "1")
