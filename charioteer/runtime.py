@@ -29,6 +29,14 @@ def switched_on(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
+def binary_switch(name: str, default: bool) -> bool:
+    """An environment switch that must be 0 or 1 (`default` where unset); any other value is refused."""
+    setting = os.environ.get(name, "1" if default else "0").strip()
+    if setting not in ("0", "1"):
+        raise ValueError(f"{name}={setting} is neither 0 nor 1")
+    return setting == "1"
+
+
 def switched_off_reason(name: str) -> str | None:
     """The reason "disabled by NAME=0" where the switch `name` is off, else None."""
     return None if switched_on(name) else f"disabled by {name}=0"

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from charioteer.runtime import binary_switch
+
 BLOCK = 32  # values per block of the kernel's forms, and per Q4_K sub-block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18, "Q3_K": 110, "Q4_K": 144,
                "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q2_K": 84}  # bytes a file block
@@ -256,10 +258,7 @@ def int8_activation_records() -> bool:
     unless CHARIOTEER_GGUF_INT8_ACTIVATIONS=1: on a Zen 4 it ran workload B 1.20-1.27x faster, but its greedy
     tokens agreed with fp32 on the same weights for 0.46 of the test chats' tokens, against int16's 1.00
     (BENCHMARKS.md)."""
-    setting = os.environ.get("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0").strip()
-    if setting not in ("0", "1"):
-        raise ValueError(f"CHARIOTEER_GGUF_INT8_ACTIVATIONS={setting} is neither 0 nor 1")
-    return setting == "1"
+    return binary_switch("CHARIOTEER_GGUF_INT8_ACTIVATIONS", default=False)
 
 
 def per_value(d: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from charioteer.model.gguf_blocks import KINDS, BlockWeight, GGUFWeight, concat,
 from charioteer.model.precision import (QUANTIZATIONS, bf16_compute, native_bf16_gemm, native_bf16_linear,
                                         onednn_fp32_gemm, onednn_linear, onednn_reorder, pack_native_bf16,
                                         quantize_int8)
-from charioteer.runtime import switched_on, tune_allocator
+from charioteer.runtime import binary_switch, switched_on, tune_allocator
 
 
 @dataclass
@@ -242,10 +242,7 @@ def vector_attention_enabled() -> bool:
     chunks of 37-512 at positions 0-896 ran 1.4-2.4x faster in fp32 and 2.0-4.0x in bf16 (bf16 products),
     a LLaMA-7B layer's (32 heads, dim 128) chunks of 17-256 0.95-1.7x and 1.1-2.5x (`charioteer bench
     roofline --attention`, BENCHMARKS.md)."""
-    setting = os.environ.get("CHARIOTEER_VECTOR_ATTENTION", "1").strip()
-    if setting not in ("0", "1"):
-        raise ValueError(f"CHARIOTEER_VECTOR_ATTENTION={setting} is neither 0 nor 1")
-    return setting == "1"
+    return binary_switch("CHARIOTEER_VECTOR_ATTENTION", default=True)
 
 
 class NarrowLinear:
