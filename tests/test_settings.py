@@ -95,6 +95,29 @@ def test_one_name_for_the_batch_cap():
         assert "--max-num-seqs" in subparser(*path).format_help(), path
 
 
+# Commands that run a model but set its precision otherwise: peers and single-stream run several (--dtypes,
+# --formats); simulate models GPUs, whose cost model knows dtypes but not our CPU quantizations; search-check
+# checks simulate's recommendation on the server it starts, unquantized as simulate assumes.
+PRECISION_ELSEWHERE = {("bench", "peers"): "--dtypes", ("bench", "single-stream"): "--formats"}
+DTYPE_ONLY = {("simulate",), ("bench", "search-check")}
+
+
+def test_every_command_that_runs_a_model_takes_its_precision():
+    """Issue 17: --dtype on every command and bench subcommand, with --quantization beside it."""
+    checked = 0
+    for path, parser in all_commands():
+        flags = {s for a in parser._actions for s in a.option_strings}
+        if "--model" not in flags:
+            continue
+        checked += 1
+        if path in PRECISION_ELSEWHERE:
+            assert PRECISION_ELSEWHERE[path] in flags, path
+            continue
+        assert "--dtype" in flags, path
+        assert ("--quantization" in flags) == (path not in DTYPE_ONLY), path
+    assert checked >= 15
+
+
 @pytest.fixture
 def fake_validate(monkeypatch):
     """Record what `simulate --validate` passes to the validator instead of running the real engine."""

@@ -158,6 +158,7 @@ def engine_for(loaded, budget, args) -> LLMEngine:
     steer = dict(tbt_slo_ms=args.tbt_slo_ms, min_chunk_size=args.min_chunk_size,
                  max_chunk_size=args.max_chunk_size) if budget == ADAPTIVE else dict(chunk_size=budget)
     return LLMEngine(EngineArgs(model=loaded.source, num_layers=args.num_layers, device=args.device, dtype=args.dtype,
+                                quantization=args.quantization,
                                 max_num_seqs=args.max_num_seqs, tile_size=args.tile_size, **steer,
                                 # every probe of a round resends the same prompts to this engine
                                 enable_prefix_caching=False), loaded=loaded)
@@ -264,8 +265,8 @@ def add_budget_capacity_bench(bench_sub) -> None:
         description="For each workload and each budget (fixed chunk sizes, and the one --tbt-slo-ms steers), "
                     "the highest Poisson request rate whose p99 time between tokens and p99 time to first token "
                     "hold their SLOs; the engine runs in this process.")
-    add_setting_args(p, ["model", "num_layers", "device", "dtype", "max_num_seqs", "tile_size", "tbt_slo_ms",
-                         "min_chunk_size", "max_chunk_size"], overrides={
+    add_setting_args(p, ["model", "num_layers", "device", "dtype", "quantization", "max_num_seqs", "tile_size",
+                         "tbt_slo_ms", "min_chunk_size", "max_chunk_size"], overrides={
         "max_num_seqs": dict(default=16),
         "tbt_slo_ms": dict(help="the p99 TBT SLO every budget is held to, and the adaptive budget's target")})
     p.add_argument("--budgets", type=int_list, default=[64, 128, 256, 512],

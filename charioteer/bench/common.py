@@ -74,11 +74,11 @@ def add_setup_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def add_engine_bench_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
-    """The setup flags of a bench that runs whole engines: --model, --num-layers, --device, --dtype
-    (unless the bench sets the precision itself), --threads, --json."""
+def add_engine_bench_args(p: argparse.ArgumentParser, precision: bool = True) -> None:
+    """The setup flags of a bench that runs whole engines: --model, --num-layers, --device, --dtype and
+    --quantization (unless the bench sets the precision itself), --threads, --json."""
     g = p.add_argument_group("setup")
-    add_setting_args(g, ["model", "num_layers", "device"] + (["dtype"] if dtype else []))
+    add_setting_args(g, ["model", "num_layers", "device"] + (["dtype", "quantization"] if precision else []))
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 

@@ -29,8 +29,8 @@ def add_pipeline_bench(sub) -> None:
                     "one thread each) under each scheduler; report completion time, per-request bubble "
                     "time (median, percentiles, Orca/SARATHI ratio), stage idle fractions, a plot, and "
                     "the simulator's prediction from costs fitted to the measured stage times.")
-    add_setting_args(p, ["model", "num_layers", "pipeline_parallel_size", "scheduler", "chunk_size", "micro_batch_cap",
-                         "max_num_seqs"], overrides={
+    add_setting_args(p, ["model", "num_layers", "dtype", "quantization", "pipeline_parallel_size", "scheduler",
+                         "chunk_size", "micro_batch_cap", "max_num_seqs"], overrides={
         "pipeline_parallel_size": dict(default=2, dest="pipeline_parallel", help="pipeline stages N, >= 2"),
         "scheduler": dict(action="append", default=None, help="scheduler to run (repeatable; default: orca and sarathi)"),
         "chunk_size": dict(type=int, default=128, help="SARATHI chunk size C"),
@@ -64,7 +64,7 @@ def run_one(loaded, policy: str, workload, args) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=int(d), ignore_eos=True) for d in workload.decode_len]
     llm = LLM(loaded, scheduler=policy, chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
               kv_policy="reserve", pipeline_parallel_size=args.pipeline_parallel, num_layers=args.num_layers,
-              micro_batch_cap=args.micro_batch_cap)
+              micro_batch_cap=args.micro_batch_cap, dtype=args.dtype, quantization=args.quantization)
     try:
         engine = llm.engine
         # Warm-up (allocator, first-touch of weights and KV pages), then measure from a clean slate.
@@ -198,7 +198,9 @@ def plot(result: dict, out_dir: str) -> list[str]:
 
 
 def format_report(result: dict) -> str:
-    lines = [f"pipeline bench: {result['model']}, PP={result['pipeline_parallel']}, {result['workload']['num_requests']} "
+    precision = result["dtype"] + (f", {result['quantization']}" if result["quantization"] else "")
+    lines = [f"pipeline bench: {result['model']} ({precision}), PP={result['pipeline_parallel']}, "
+             f"{result['workload']['num_requests']} "
              f"requests, Zipf({result['workload']['theta']}) totals {result['workload']['min_len']}-"
              f"{result['workload']['max_len']}, P:D {result['workload']['pd_ratio']}, C={result['chunk_size']}, "
              f"max_num_seqs={result['max_num_seqs']}, micro-batch cap={result['micro_batch_cap']}", ""]
@@ -228,6 +230,7 @@ def cmd_bench_pipeline(args) -> int:
     import torch
 
     from charioteer.model.loader import load_model
+    from charioteer.model.precision import dtype_name, resolve_dtype
     from charioteer.sim.workload import WorkloadSpec, make_workload
 
     if args.pipeline_parallel < 2:
@@ -245,7 +248,9 @@ def cmd_bench_pipeline(args) -> int:
         print(f"running {policy} ...", file=sys.stderr, flush=True)
         runs.append(run_one(loaded, policy, workload, args))
     result = {
-        "model": loaded.config.name, "pipeline_parallel": args.pipeline_parallel, "chunk_size": args.chunk_size,
+        "model": loaded.config.name, "dtype": dtype_name(resolve_dtype(args.dtype, torch.device("cpu"))),
+        "quantization": args.quantization,
+        "pipeline_parallel": args.pipeline_parallel, "chunk_size": args.chunk_size,
         "max_num_seqs": args.max_num_seqs, "micro_batch_cap": args.micro_batch_cap, "threads_per_stage": 1,
         "workload": {"num_requests": args.num_requests, "min_len": args.min_len, "max_len": args.max_len,
                      "theta": args.theta, "pd_ratio": args.pd_ratio, "seed": args.seed,

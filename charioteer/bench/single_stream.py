@@ -10,7 +10,8 @@ time of its decode-only steps. Each round also reads the bandwidth again, so eve
 against the stored (best) bandwidth and against what the memory gave in the same round.
 
 Formats: float32; bfloat16 (weights, activations and KV); int8 (weight-only int8 linear layers and
-LM head, fp32 activations and KV, `quantization="int8"`).
+LM head, fp32 activations and KV, `quantization="int8"`); gguf (the GGUF file's own quantized blocks,
+fp32 activations and KV, `quantization="gguf"`).
 """
 from __future__ import annotations
 
@@ -146,11 +147,11 @@ def cmd_bench_single_stream(args) -> int:
 def add_single_stream_bench(bench_sub) -> None:
     p = bench_sub.add_parser(
         "single-stream", help="one request's decode speed per weight format, against the read-bandwidth limit",
-        description="One request at a time: the median decode step of each format (float32, bfloat16, int8) "
+        description="One request at a time: the median decode step of each format (float32, bfloat16, int8, gguf) "
                     "over interleaved rounds, the bytes a step streams (weights, norms, LM head and the K/V "
                     "of its context) and the fraction of the read-bandwidth limit that it reaches: the stored "
                     "bandwidth's and the one read again in each round.")
-    add_engine_bench_args(p, dtype=False)  # --formats sets each engine's precision
+    add_engine_bench_args(p, precision=False)  # --formats sets each engine's precision
     p.add_argument("--formats", default="float32,int8",
                    help=f"comma-separated subset of {','.join(PRECISION_SETTINGS)}; the first is the baseline "
                         "(default: float32,int8)")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import sys
 import time
 
-from charioteer.bench.common import check_repeats, emit, format_table
+from charioteer.bench.common import add_engine_bench_args, emit, format_table, load_engine_bench, model_dtype
 from charioteer.bench.peers import workload_a
 from charioteer.bench.stats import compare, interleaved, put
-from charioteer.config import add_setting_args, check_settings
+from charioteer.config import setting_kwargs
 
 # 32 one-digit scores alone take 64 tokens (SmolLM2 splits digits, so a digit and its comma are two).
 BENCH_SCHEMA = {
@@ -74,22 +74,20 @@ def measure(llm, repeats: int, warmup: int = 1) -> dict:
 
 
 def cmd_bench_structured(args) -> int:
-    check_settings(args)
-    check_repeats(args.repeats)
     import torch
 
     from charioteer.engine.llm import LLM
-    from charioteer.model.loader import load_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    loaded = load_engine_bench(args)
+    settings = {k: v for k, v in setting_kwargs(args).items() if k != "model"}
     # Every round resends workload A's prompts to this engine: no prefix caching, or later rounds would hit it.
-    llm = LLM(loaded, device=args.device, enable_prefix_caching=False,
+    llm = LLM(loaded, enable_prefix_caching=False, **settings,
               **workload_a(loaded.tokenizer).engine_args["charioteer-sarathi"])
-    print(f"model: {llm.engine.model_config.name}, {args.device}, {torch.get_num_threads()} threads; workload A, "
+    precision = {"dtype": model_dtype(args), "quantization": args.quantization}
+    print(f"model: {llm.engine.model_config.name}, {args.device}, {precision['dtype']}"
+          f"{', ' + args.quantization if args.quantization else ''}, {torch.get_num_threads()} threads; workload A, "
           f"{args.repeats} rounds after {args.warmup} warm-up", file=sys.stderr)
-    result = measure(llm, args.repeats, args.warmup)
+    result = {**measure(llm, args.repeats, args.warmup), **precision}
     text = "\n".join([
         format_table(result["rows"], ["mix", "tokens_per_s"]),
         f"half constrained / unconstrained: {result['constrained_over_unconstrained']} "
@@ -109,9 +107,7 @@ def add_structured_bench(bench_sub) -> None:
         "structured", help="throughput of workload A with half its requests held to a JSON schema",
         description="Workload A (16 chat prompts x 64 tokens) unconstrained, and with every other request "
                     "constrained by a JSON schema (xgrammar), interleaved; tokens/s median and spread, and the loss.")
-    add_setting_args(p, ["model", "device"])
+    add_engine_bench_args(p)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds, each running both mixes (default: 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default: 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_bench_structured)

@@ -19,7 +19,7 @@ import numpy as np
 from charioteer.bench.common import add_engine_bench_args, emit, load_engine_bench, progress_bar
 from charioteer.bench.roofline import cpu_features, cpu_model
 from charioteer.bench.stats import cell, compare, interleaved, put
-from charioteer.config import add_setting_args, setting_kwargs
+from charioteer.config import setting_kwargs
 from charioteer.engine.llm import LLM
 from charioteer.request import SamplingParams
 
@@ -101,7 +101,6 @@ def add_switch_bench(bench_sub) -> None:
                     "same greedy requests run on each in turn: tokens per second with their spread, the "
                     "ratio, the kernel choices the switch changed, and whether the tokens are the same.")
     add_engine_bench_args(p)
-    add_setting_args(p.add_argument_group("setup"), ["quantization"])
     p.add_argument("--env", required=True, help="the switch, e.g. CHARIOTEER_VNNI or CHARIOTEER_GGUF_KERNEL")
     p.add_argument("--on", default="1", help="its value for the first engine (default: 1)")
     p.add_argument("--off", default="0", help="its value for the second engine (default: 0)")
