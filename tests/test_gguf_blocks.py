@@ -138,21 +138,19 @@ def _magnitude(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
 
 def _kernel_model(x: torch.Tensor, w: GGUFWeight, levels: float = 32767.0) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 as quantize_rows does (in fp32; to int16,
-    or with `levels` 127 to int8), the integer products' exact sums, then d * scale * sum (+ m * the sum of x over
-    its block, or over its 16 values in the mixed form, added in fp32 in order)."""
+    or with `levels` 127 to int8), the integer products' exact sums, then d * scale * sum (+ m * the sum of the
+    quantized x over its block, or over its 16 values in the mixed form: the integer sum times the scale in fp32)."""
     d, m, q = w.fields()
     xb = x.reshape(x.shape[0], -1, BLOCK)
     top = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.full_like(top, levels) / top, torch.zeros_like(top))  # fp32, as the kernel
     xq = torch.clamp(torch.round(xb * inv), -levels, levels).double()
+    scale = top / levels  # fp32, as the kernel
     sums = torch.einsum("rbk,nbk->rnb", xq, q.double() * per_value(d.double()))
-    y = (sums * (top / levels).double().squeeze(-1)[:, None]).sum(-1)
+    y = (sums * scale.double().squeeze(-1)[:, None]).sum(-1)
     if m is not None:
         sets = 1 if m.dim() == 2 else m.shape[2]  # m per block of 32 or per 16 values
-        xs = xb.reshape(*xb.shape[:2], sets, BLOCK // sets)
-        xsum = torch.zeros(xs.shape[:3])
-        for i in range(BLOCK // sets):  # as the kernel sums: one fp32 addition after another
-            xsum = xsum + xs[..., i]
+        xsum = xq.reshape(*xq.shape[:2], sets, BLOCK // sets).sum(-1).float() * scale  # exact integers, then fp32
         y = y + (m.double().reshape(*m.shape[:2], sets)[None] * xsum.double()[:, None]).sum((-1, -2))
     return y
 

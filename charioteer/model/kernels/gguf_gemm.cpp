@@ -24,8 +24,9 @@
 // So one 32-byte load (16 bytes on AVX2) widened to int16 (and, for the 4- and 5-bit forms, split into
 // nibbles) is 16 (8) columns' (k, k+1) int16 pairs, the operand of vpmaddwd. x is quantized to int16 per
 // block of 32 (quantize_rows: off by at most half a step of its block's largest / 32767). Per block and
-// column the int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of x where there is
-// an m; in the mixed form each m times its 16 k's sum of x), in fp32, block after block in k order.
+// column the int32 sum is exact; then y += d * (x scale) * sum (+ m * the block's sum of quantized x where
+// there is an m, quantize_rows' sums; in the mixed form each m times its 16 k's), in fp32, block after block in
+// k order.
 // With int8 activations (BlockWeight.pack's int8_activations, as llama.cpp quantizes x to Q8 for its 4-bit
 // kinds), the two 4-bit forms come as [N/32][K/32][record / 128][128]: their d and m, then 4 k octets x 32
 // columns x 4 bytes, byte e of column c in octet u holding q[8u + e] | q[8u + 4 + e] << 4. x is quantized to
@@ -245,7 +246,7 @@ __attribute__((always_inline)) inline void panel_body(const int32_t* pairs, int6
         const Vec d = load_scales<F>(rec + part * scales + kScaleBytes<F> * kPairLanes * v);
         for (int r = 0; r < R; ++r)
           total[r][v] = vfma(to_float(sum[r][v]), vmul(d, vset1(xscale[r * blocks + b])), total[r][v]);
-        if constexpr (kOffsets<F> == 2) {  // each set of d's own m, times its k's sum of x
+        if constexpr (kOffsets<F> == 2) {  // each set of d's own m, times its k's sum of quantized x
           const Vec m = load_scales<F>(rec + (kParts<F> + part) * scales + kScaleBytes<F> * kPairLanes * v);
           for (int r = 0; r < R; ++r) total[r][v] = vfma(m, vset1(xsum[(r * blocks + b) * 2 + part]), total[r][v]);
         } else if constexpr (kOffsets<F> == 1) {

@@ -106,8 +106,8 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
                                const torch::Tensor& scale, const c10::optional<torch::Tensor>& out = c10::nullopt);
 // x [m, k] (rows ldx apart) quantized for int16 products (vnni_gemm.cpp): [m][ceil(k/2)] int32 pairs of int16,
 // each block of `block` values scaled by its largest magnitude / 32767 (scales [m][blocks]), or with `bytes` for
-// int8 products, [m][ceil(k/4)] int32 quads of int8 scaled by it / 127; with `sums`, the sums of x over each of a
-// block's `sum_parts` equal parts ([m][blocks][sum_parts]).
+// int8 products, [m][ceil(k/4)] int32 quads of int8 scaled by it / 127; with `sums`, the sums of the quantized x
+// (times the scale) over each of a block's `sum_parts` equal parts ([m][blocks][sum_parts]).
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums, int64_t sum_parts = 1, bool bytes = false);
 // quantize_rows' output for m rows of kp pairs and `blocks` blocks (and `sums` sums a row), in buffers the calling

@@ -67,6 +67,20 @@ inline void quantize_values(const float* x, int64_t n, float inv, Q* q) {
   for (; i < n; ++i) q[i] = static_cast<Q>(std::clamp(std::nearbyint(x[i] * inv), -limit, limit));
 }
 
+template <typename Q>
+inline int32_t sum_of(const Q* q, int64_t n) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += q[i];
+  return sum;
+}
+
+// The sum of a quantized row's values [k0, k1) (int16, or int8 with `bytes`), times its block's scale.
+inline float quantized_sum(const int32_t* row, bool bytes, int64_t k0, int64_t k1, float scale) {
+  const int32_t sum = bytes ? sum_of(reinterpret_cast<const int8_t*>(row) + k0, k1 - k0)
+                            : sum_of(reinterpret_cast<const int16_t*>(row) + k0, k1 - k0);
+  return static_cast<float>(sum) * scale;
+}
+
 }  // namespace
 
 QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int64_t sums) {
@@ -81,8 +95,10 @@ QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int6
 // x [m, k] -> int16 pairs, [m][kp] int32 each holding (x[2j], x[2j+1]) (kp = ceil(k/2), zero padded), or with
 // `bytes` int8 quads, [m][kq] int32 each holding x[4j] to x[4j+3] (kq = ceil(k/4)); one fp32 scale per row and
 // block of `block` values ([m][blocks]: its largest magnitude / 32767, or / 127) and, where `sums` is given, the
-// sum of x over each of a block's `sum_parts` parts (one fp32 addition after another). Rows in parallel once
-// there are 16K values (a prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each
+// sum of the quantized x over each of a block's `sum_parts` parts (the exact integer sum times the scale, as
+// llama.cpp's Q8_1 keeps it: a GGUF weight's offset m then multiplies x's rounding no more than its d * q terms
+// do, where m times the sum of x itself left the offset's share of the rounding in, 2-3x the product's error
+// on SmolLM2's Q4_1 layers, at int8 and int16 alike). Rows in parallel once there are 16K values (a prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each
 // value's bits as the scalar formula's.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums, int64_t sum_parts, bool bytes) {
@@ -97,15 +113,14 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t bl
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
         const float top = largest_magnitude(row + k0, k1 - k0);
-        const float inv = top > 0.f ? levels / top : 0.f;
-        scales[r * blocks + b] = top / levels;
-        for (int64_t h = 0; sums && h < sum_parts; ++h) {
-          float sum = 0.f;
-          for (int64_t i = k0 + h * part; i < std::min(k1, k0 + (h + 1) * part); ++i) sum += row[i];
-          sums[(r * blocks + b) * sum_parts + h] = sum;
-        }
-        if (bytes) quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int8_t*>(pairs + r * stride) + k0);
-        else quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int16_t*>(pairs + r * stride) + k0);
+        const float inv = top > 0.f ? levels / top : 0.f, scale = top / levels;
+        scales[r * blocks + b] = scale;
+        int32_t* quantized = pairs + r * stride;
+        if (bytes) quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int8_t*>(quantized) + k0);
+        else quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int16_t*>(quantized) + k0);
+        for (int64_t h = 0; sums && h < sum_parts; ++h)
+          sums[(r * blocks + b) * sum_parts + h] =
+              quantized_sum(quantized, bytes, k0 + h * part, std::min(k1, k0 + (h + 1) * part), scale);
       }
     }
   });
