@@ -79,6 +79,7 @@ def test_fused_parts_of_any_kinds_run_as_each_alone(isa, monkeypatch):
     whatever CHARIOTEER_GGUF_5BIT says, and a Q4_K part fuses into them; parts with no common form (a Q6_K V
     beside them) fuse into the mixed records. Each part's columns are its own product, within the rounding of
     its d split per 16 values in the mixed records."""
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0")  # a Q4_K part alone in int16 x, as fused
     rng = np.random.default_rng(6)
     parts = [_random_blocks(kind, 24, b, rng) for kind, b in (("Q5_1", 16), ("Q5_K", 2), ("Q4_K", 2), ("Q6_K", 2))]
     x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
@@ -204,7 +205,7 @@ def _check_block_product(isa: str, kind: str, rows: int, n: int, blocks: int, se
 def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
     rng = np.random.default_rng(1)
     w = _random_blocks("Q4_1", 40, 3, rng)
-    packed = w.pack()
+    packed = w.pack(int8_activations=False)
     x = torch.from_numpy(rng.standard_normal((11, 96)).astype(np.float32))
     for records in (packed, w.pack(int8_activations=True)):
         batch = cpu_kernels.gguf_linear(x, records, 40, isa=isa)
@@ -224,9 +225,9 @@ def test_gguf_linear_rows_do_not_depend_on_their_batch(isa):
 
 
 def test_int8_activations_follow_their_switch(monkeypatch):
-    """The 4-bit forms pack for int8 activations only with CHARIOTEER_GGUF_INT8_ACTIVATIONS=1 (4-d records of the
-    same bytes a block), which the GGUF kernels' choice shows (Kernels.gguf_int8_activations); the other forms
-    keep their records; a value other than 0 or 1 is refused."""
+    """The 4-bit forms pack for int8 activations (4-d records of the same bytes a block) unless
+    CHARIOTEER_GGUF_INT8_ACTIVATIONS=0, which the GGUF kernels' choice shows (Kernels.gguf_int8_activations); the
+    other forms keep their records; a value other than 0 or 1 is refused."""
     from charioteer.model.config import ModelConfig
     from charioteer.model.llama import Kernels
 
@@ -234,10 +235,10 @@ def test_int8_activations_follow_their_switch(monkeypatch):
                          num_kv_heads=1)
     rng = np.random.default_rng(3)
     q41, q80 = _random_blocks("Q4_1", 32, 2, rng), _random_blocks("Q8_0", 32, 2, rng)
-    monkeypatch.delenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", raising=False)  # off by default
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0")
     assert not int8_activation_records() and q41.pack().dim() == 3
     assert not Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_int8_activations
-    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "1")
+    monkeypatch.delenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS")  # on by default
     assert int8_activation_records() and q41.pack().shape == (1, 2, 5, 128)
     assert Kernels.choose(config, torch.device("cpu"), gguf=True).gguf_int8_activations == (GGUF_KERNEL is None)
     assert not Kernels.choose(config, torch.device("cpu")).gguf_int8_activations  # GGUF blocks only
@@ -421,7 +422,9 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, ki
     assert all(isinstance(lin, Linear if (i, name) == (1, "down") else GGUFLinear)
                for i, layer in enumerate(model.linears) for name, lin in layer.items())
     assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
-    packed = {lin.panels.shape[-1] for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)}
+    panels = [lin.panels for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)]
+    assert all(p.dim() == 4 for p in panels if p.shape[-1] in (128, 640, 768))  # the 4-bit forms: int8 x by default
+    packed = {p.shape[-1] if p.dim() == 3 else p.shape[-2] * p.shape[-1] for p in panels}  # a record's bytes
     five = {704} if five_bit_records() and kinds is Q4_K_M_KINDS else set()  # the Q5_0 gate/up
     assert packed == records | five
     _assert_agrees_with_fp32(llm, LLM(loaded, enable_prefix_caching=False))

@@ -54,11 +54,12 @@ INT8_TILES = cpu_kernels.int8_tile_kernel() is not None
 # path (a wrong mask or row) agrees far less.
 MIN_BF16_AGREEMENT_WITH_HF_BF16 = 0.6
 MIN_INT8_AGREEMENT_WITH_FP32 = 0.6
-# quantization="gguf" multiplies the file's own weights, the ones fp32 runs dequantized, with activations
-# quantized to int16 per block of 32 (about 1/65534 of the block's largest): only near-ties can differ.
+# quantization="gguf" multiplies the file's own weights, the ones fp32 runs dequantized; with
+# CHARIOTEER_GGUF_INT8_ACTIVATIONS=0 its activations are quantized to int16 per block of 32 (about 1/65534 of the
+# block's largest): only near-ties can differ.
 MIN_GGUF_AGREEMENT_WITH_FP32 = 0.8
-# With CHARIOTEER_GGUF_INT8_ACTIVATIONS=1 the Q4_1 layers' activations are quantized to int8 per block of 32 (as
-# llama.cpp's Q8_1): measured 0.78 on a Zen 4 (int16: 1.00; llama.cpp 0.3.36 on the same file, 0.70 with its f16
+# By default the Q4_1 layers' activations are quantized to int8 per block of 32 (as llama.cpp's Q8_1): measured
+# 0.78 on a Zen 4 (int16: 1.00; llama.cpp 0.3.36 on the same file, 0.70 with its f16
 # KV cache, 0.75 with f32), as int8 weights' 0.78. With m times the sum of x itself, not of the quantized x: 0.46.
 # A wrong product agrees on next to nothing.
 MIN_GGUF_INT8_ACTIVATIONS_AGREEMENT_WITH_FP32 = 0.6
@@ -278,17 +279,19 @@ def test_int8_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens, dtype
 
 
 @pytest.mark.skipif(not GGUF_KERNEL, reason=f"GGUF kernel: {cpu_kernels.gguf_unavailable_reason()}")
-def test_gguf_greedy_agrees_with_fp32(default_model, prompts, fp32_tokens):
+def test_gguf_int16_activations_agree_with_fp32(default_model, prompts, fp32_tokens, monkeypatch):
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0")
     llm = LLM(default_model, quantization="gguf", chunk_size=16)
     assert llm.engine.model.kernels.gguf and llm.engine.model.decode_layers is not None
+    assert not llm.engine.model.kernels.gguf_int8_activations
     agreement = _agreement(fp32_tokens, _greedy(llm, prompts))
-    print(f"\n[gguf: Q4_1 layers, Q8_0 LM head] greedy agreement with fp32: {agreement:.2f}")
+    print(f"\n[gguf: Q4_1 layers, Q8_0 LM head, int16 activations] greedy agreement with fp32: {agreement:.2f}")
     assert agreement >= MIN_GGUF_AGREEMENT_WITH_FP32
 
 
 @pytest.mark.skipif(not GGUF_KERNEL, reason=f"GGUF kernel: {cpu_kernels.gguf_unavailable_reason()}")
 def test_gguf_int8_activations_agree_with_fp32_less(default_model, prompts, fp32_tokens, monkeypatch):
-    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "1")
+    monkeypatch.delenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", raising=False)  # the default
     llm = LLM(default_model, quantization="gguf", chunk_size=16)
     assert llm.engine.model.kernels.gguf_int8_activations and llm.engine.model.decode_layers is not None
     assert llm.engine.model.linears[0]["qkv"].panels.dim() == 4  # the Q4_1 layers' int8-activation records

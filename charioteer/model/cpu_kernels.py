@@ -417,8 +417,8 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, n: int, vnni: bool = Fals
     """x fp32 [M, K] @ W.T -> fp32 [M, n] for W in a GGUF file's blocks, packed by
     gguf_blocks.BlockWeight.pack: each row's blocks of 32 values of x quantized to int16 with their own
     scale, the weights' q widened to int16, the products summed exactly in int32 per block, then scaled by
-    the block's d (and m times the block's sum of x where there is an m) in fp32, block after block. A 4-bit
-    form packed with `int8_activations` (4-d) takes x quantized to int8 instead, as llama.cpp's Q8, its unsigned
+    the block's d (and m times the block's sum of quantized x where there is an m) in fp32, block after block. A
+    4-bit form packed with `int8_activations` (4-d) takes x quantized to int8 instead, as llama.cpp's Q8_1, its unsigned
     q multiplied four to a lane by vpmaddubsw. A row's result depends on its own row of x alone, and is the same
     in the AVX2 and the AVX-512 build, and with `vnni` (vnni_unavailable_reason), which sums the products with
     AVX512-VNNI's vpdpwssd (vpdpbusd for int8 x): on a Zen 4, 16 requests of SmolLM2 generating 64 tokens each,

@@ -254,11 +254,12 @@ def five_bit_records() -> bool:
 
 def int8_activation_records() -> bool:
     """Whether the 4-bit forms (Q4_1, Q4_0, Q4_K) pack for int8 activations: x quantized to int8 per block of 32,
-    as llama.cpp quantizes it to Q8 for them, and multiplied four products a lane (kernels/gguf_gemm.cpp). Off
-    unless CHARIOTEER_GGUF_INT8_ACTIVATIONS=1: on a Zen 4 it ran workload B 1.20-1.27x faster, but its greedy
-    tokens agreed with fp32 on the same weights for 0.46 of the test chats' tokens, against int16's 1.00
-    (BENCHMARKS.md)."""
-    return binary_switch("CHARIOTEER_GGUF_INT8_ACTIVATIONS", default=False)
+    as llama.cpp quantizes it to Q8_1 for them, and multiplied four products a lane (kernels/gguf_gemm.cpp). On
+    unless CHARIOTEER_GGUF_INT8_ACTIVATIONS=0, which keeps int16 activations: on a Zen 4 int8 ran 16 requests
+    1.22-1.41x and workload B 1.20-1.27x faster, and its greedy tokens agree with fp32 on the same weights for
+    0.78 of the test chats' tokens (int16: 1.00; int8 weights 0.78; llama.cpp on the same file 0.70-0.75;
+    BENCHMARKS.md)."""
+    return binary_switch("CHARIOTEER_GGUF_INT8_ACTIVATIONS", default=True)
 
 
 def per_value(d: torch.Tensor) -> torch.Tensor:
