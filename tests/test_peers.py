@@ -243,3 +243,20 @@ def test_the_command_names_charioteers_kernels_beside_the_roofline(monkeypatch, 
     assert f"charioteer's CPU kernels: {cpu_kernels.status()}" in capsys.readouterr().out
     main(["bench", "peers", "--workloads", "A", "--engines", "charioteer-sarathi", "--repeats", "2", "--json"])
     assert json.loads(capsys.readouterr().out)["charioteer_kernels"] == cpu_kernels.status()
+
+
+def test_the_gguf_label_says_what_the_activations_are(monkeypatch):
+    """Charioteer's gguf column names the Q4_1 layers' activation width, as the switch sets it in the worker too,
+    or the dequantized fp32 weights where the GGUF kernel does not run."""
+    from charioteer.model import cpu_kernels
+
+    monkeypatch.setenv("CHARIOTEER_GGUF_KERNEL", "0")
+    assert peers.precision_label("charioteer-sarathi", "gguf") == "the GGUF's Q4_1 weights dequantized, fp32"
+    monkeypatch.delenv("CHARIOTEER_GGUF_KERNEL")
+    if cpu_kernels.gguf_unavailable_reason() is not None:
+        pytest.skip(f"GGUF kernel: {cpu_kernels.gguf_unavailable_reason()}")
+    monkeypatch.delenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", raising=False)
+    assert "on int8 activations" in peers.precision_label("charioteer-orca", "gguf")
+    monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "0")
+    assert "on int16 activations" in peers.precision_label("charioteer-sarathi", "gguf")
+    assert peers.precision_label("llama.cpp", "gguf") == "Q4_1 weights, f16 KV"

@@ -48,6 +48,7 @@ from charioteer.bench.experiments import request_flops
 from charioteer.bench.roofline import cpu_model, mfu
 from charioteer.bench.stats import compare, median, put, put_mfu
 from charioteer.model import cpu_kernels
+from charioteer.model.gguf_blocks import int8_activation_records
 from charioteer.model.llama import bf16_runs_widened
 from charioteer.model.precision import native_bf16_gemm
 
@@ -59,7 +60,7 @@ WORKLOADS = ("A", "B", "C")
 C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations",
-             "gguf": "the GGUF's Q4_1 weights (Q8_0 LM head), fp32 activations"}
+             "gguf": "the GGUF's Q4_1 weights dequantized, fp32"}  # gguf where the GGUF kernel runs: gguf_label
 # charioteer's int8 where it runs on a tile kernel (AMX, AVX512-BF16)
 INT8_TILES = "int8 weights, bf16 GEMMs from 8 rows"
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
@@ -84,7 +85,16 @@ def precision_label(engine: str, dtype: str) -> str:
         return NATIVE_GEMM_BF16 if native_bf16_gemm(cpu) else WIDENED_BF16
     if engine.startswith("charioteer") and dtype == "int8" and peak_dtype("float32", "int8") == "bfloat16":
         return INT8_TILES
+    if engine.startswith("charioteer") and dtype == "gguf" and cpu_kernels.gguf_unavailable_reason() is None:
+        return gguf_label()
     return PRECISION[dtype]
+
+
+def gguf_label() -> str:
+    """Charioteer's gguf on its kernel: the Q4_1 layers' activations in 8 bits or 16 (gguf_blocks'
+    CHARIOTEER_GGUF_INT8_ACTIVATIONS, read in the worker as here), the Q8_0 LM head's in 16."""
+    bits = 8 if int8_activation_records() else 16
+    return f"the GGUF's Q4_1 weights on int{bits} activations (Q8_0 LM head, int16)"
 
 
 CHAT_QUESTIONS = [
