@@ -98,8 +98,9 @@ QuantizedRows quantized_rows_buffers(int64_t m, int64_t kp, int64_t blocks, int6
 // sum of the quantized x over each of a block's `sum_parts` parts (the exact integer sum times the scale, as
 // llama.cpp's Q8_1 keeps it: a GGUF weight's offset m then multiplies x's rounding no more than its d * q terms
 // do, where m times the sum of x itself left the offset's share of the rounding in, 2-3x the product's error
-// on SmolLM2's Q4_1 layers, at int8 and int16 alike). Rows in parallel once there are 16K values (a prompt chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each
-// value's bits as the scalar formula's.
+// on SmolLM2's Q4_1 layers, at int8 and int16 alike). Rows in parallel once there are 16K values (a prompt
+// chunk's: one thread took a fifth of a 512-row GGUF GEMM's time quantizing); each value's bits as the scalar
+// formula's.
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block, int32_t* pairs, float* scales,
                    float* sums, int64_t sum_parts, bool bytes) {
   const int64_t width = bytes ? 4 : 2, stride = (k + width - 1) / width, part = block / sum_parts;
