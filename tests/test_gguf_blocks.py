@@ -405,11 +405,13 @@ def _mixed_kind(kinds: dict[str, str], name: str) -> str | None:
     (Q5_K_M_KINDS, {1536, 1088, 896, 1280}),  # QKV mixed; IQ4_NL as int8; 5-bit q with fp32 d, m; Q6_K
     (Q2_K_KINDS, {768, 1536, 1280}),  # Q4_0 as 4-bit q with fp32 d, m; Q2_K mixed; Q6_K
 ], ids=["q4_k_m", "q5_k_m", "q2_k"])
-def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, kinds, records):
+def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, kinds, records, monkeypatch):
     """Fused weights of parts in one kernel form or none (a Q5_1 Q and K beside a Q8_0 V: the mixed records), and
     the K kinds: every linear layer with blocks and the LM head run them, the others fp32's panels, in the one-call
-    decode too (with VNNI where the CPU has it), with greedy tokens mostly fp32's on the same (dequantized)
-    weights."""
+    decode too (with VNNI where the CPU has it); the 4-bit forms in their int8-activation records by default.
+    With int16 activations (CHARIOTEER_GGUF_INT8_ACTIVATIONS=0) greedy tokens are mostly fp32's on the same
+    (dequantized) weights; int8 activations' tokens are held to their own floor on the real file
+    (tests/test_precision.py): on two prompts of a Q2_K file one early near-tie takes half the tokens."""
     blocks, state = {}, dict(default_model.state_dict)
     for name, w in default_model.state_dict.items():
         kind = _mixed_kind(kinds, name)
@@ -417,16 +419,17 @@ def test_a_file_of_mixed_kinds_runs_every_linear_on_its_blocks(default_model, ki
             blocks[name] = _quantized(w, kind)
             state[name] = blocks[name].dequantize()
     loaded = dataclasses.replace(default_model, state_dict=state, gguf_blocks=blocks)
-    llm = LLM(loaded, quantization="gguf", enable_prefix_caching=False)
-    model = llm.engine.model
-    assert all(isinstance(lin, Linear if (i, name) == (1, "down") else GGUFLinear)
-               for i, layer in enumerate(model.linears) for name, lin in layer.items())
-    assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
-    panels = [lin.panels for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)]
-    assert all(p.dim() == 4 for p in panels if p.shape[-1] in (128, 640, 768))  # the 4-bit forms: int8 x by default
-    packed = {p.shape[-1] if p.dim() == 3 else p.shape[-2] * p.shape[-1] for p in panels}  # a record's bytes
     five = {704} if five_bit_records() and kinds is Q4_K_M_KINDS else set()  # the Q5_0 gate/up
-    assert packed == records | five
+    for int8_x in (True, False):
+        monkeypatch.setenv("CHARIOTEER_GGUF_INT8_ACTIVATIONS", "1" if int8_x else "0")
+        llm = LLM(loaded, quantization="gguf", enable_prefix_caching=False)
+        model = llm.engine.model
+        assert all(isinstance(lin, Linear if (i, name) == (1, "down") else GGUFLinear)
+                   for i, layer in enumerate(model.linears) for name, lin in layer.items())
+        assert isinstance(model.lm_head_linear, GGUFLinear) and model.decode_layers is not None
+        panels = [lin.panels for layer in model.linears for lin in layer.values() if isinstance(lin, GGUFLinear)]
+        assert all(p.dim() == (4 if int8_x else 3) for p in panels if p.shape[-1] in (128, 640, 768))  # 4-bit
+        assert {p.shape[-1] if p.dim() == 3 else p.shape[-2] * p.shape[-1] for p in panels} == records | five
     _assert_agrees_with_fp32(llm, LLM(loaded, enable_prefix_caching=False))
 
 
