@@ -352,7 +352,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = form->quads ? k / 4 : k / 2;  // int32 a row of x: int8 quads or int16 pairs
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, blocks * offsets);
-  float* sums = quantized.sums;  // the sums of x for the m terms: per block, or per 16 values (the mixed form)
+  float* sums = quantized.sums;  // quantized x's sums for the m terms: per block, or per 16 values (mixed form)
   quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, kBlock, quantized.pairs, quantized.scales, sums,
                 std::max<int64_t>(offsets, 1), form->quads);
   const int32_t* pp = quantized.pairs;
