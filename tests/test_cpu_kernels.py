@@ -623,6 +623,11 @@ def test_tile_order_bf16_gemms_are_the_bf16_product_and_a_row_does_not_depend_on
                 # |out| ~ sqrt(k); AVX512-BF16 sums k in one sequence, so its error grows with k
                 torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * max(1, k / 1024))
                 assert torch.equal(linear(x, packed, n, bf16_output=True), out.bfloat16())
+                if kernel == "avx512_bf16":  # fp32 x rounded as .to(bf16) rounds it; into a given buffer
+                    wider = x.float() + torch.randn(x.shape) * 1e-3
+                    into = torch.empty(m, n, dtype=torch.bfloat16)
+                    assert linear(wider, packed, n, bf16_output=True, out=into) is into
+                    assert torch.equal(into, linear(wider.bfloat16(), packed, n, bf16_output=True))
                 for i in range(m):
                     row = alone.setdefault((i, strided), linear(x[i:i + 1], packed, n))
                     assert torch.equal(out[i], row[0]), (n, k, m, i)

@@ -448,12 +448,13 @@ def avx512_bf16_unavailable_reason(isa: str | None = None) -> str | None:
 
 
 def avx512_bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_output: bool = False,
-                       isa: str | None = None) -> torch.Tensor:
+                       isa: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`amx_linear`'s product on the same packed weight (`amx_pack`) with AVX512-BF16's vdpbf16ps, for
     CPUs without AMX tiles: bf16 pairs multiplied and summed in fp32, k in order, so a row's result
     depends on its own row of x alone. Faster than oneDNN's bf16 GEMM on such CPUs up to
-    llama.AVX512_BF16_MAX_ROWS rows, which is where the model uses it."""
-    return _kernels(isa).avx512_bf16_linear(x, packed, n, bf16_output)
+    llama.AVX512_BF16_MAX_ROWS rows, which is where the model uses it. x: bf16, or fp32 rounded to it
+    (to nearest even, as `.to`) without a new tensor; `out`: where to write the product."""
+    return _kernels(isa).avx512_bf16_linear(x, packed, n, bf16_output, out)
 
 
 def amx_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,

@@ -99,7 +99,7 @@ namespace {
 template <typename PairWeight, typename Done>
 void run_pairs(const uint16_t* xs, int64_t lda, int64_t m, int64_t n, int64_t nb, int64_t kb, float* out_fp32,
                uint16_t* out_bf16, const PairWeight& pair_weight, const Done& done) {
-  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t first, int64_t last) {
+  parallel_split((nb + 1) / 2, [&](int64_t first, int64_t last) {
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t col0 = 2 * pair * kTileN, cols = std::min(n - col0, kPairCols);
       const auto [b0, b1] = pair_weight(pair);
@@ -118,23 +118,45 @@ void run_pairs(const uint16_t* xs, int64_t lda, int64_t m, int64_t n, int64_t nb
   });
 }
 
+// x's rows as the kernel reads them: bf16, K zero-padded to kb k-steps. x itself where it is laid out so, else x
+// rounded (to nearest even, as torch's .to()) into a buffer the calling thread keeps: a decode step's new tensor
+// costs about half a microsecond with the caches cold, and inside DecodeLayers' team each thread rounds its own.
+std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb) {
+  const int64_t m = x.size(0), k = x.size(1), width = kb * kTileK;
+  if (x.scalar_type() == torch::kBFloat16 && k == width && x.stride(1) == 1)
+    return {reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0)};
+  thread_local std::vector<uint16_t> rows;
+  rows.assign(m * width, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    uint16_t* dst = rows.data() + r * width;
+    if (x.scalar_type() == torch::kBFloat16) {
+      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
+      for (int64_t c = 0; c < k; ++c) dst[c] = src[c * x.stride(1)];
+      continue;
+    }
+    const float* src = x.data_ptr<float>() + r * x.stride(0);
+    for (int64_t c = 0; c < k; ++c) dst[c] = c10::BFloat16(src[c * x.stride(1)]).x;
+  }
+  return {rows.data(), width};
+}
+
 }  // namespace
 
-torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
-  auto out = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output);
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                                 const c10::optional<torch::Tensor>& out) {
+  auto result = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output, out);
   const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
-  if (m == 0) return out;
-  const auto a = tile_input(x, kb);
+  if (m == 0) return result;
+  const auto [a, lda] = tile_rows(x, kb);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  run_pairs(reinterpret_cast<const uint16_t*>(a.data_ptr()), a.stride(0), m, n, nb, kb,
-            bf16_output ? nullptr : out.data_ptr<float>(),
-            bf16_output ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr,
+  run_pairs(a, lda, m, n, nb, kb, bf16_output ? nullptr : result.data_ptr<float>(),
+            bf16_output ? reinterpret_cast<uint16_t*>(result.data_ptr()) : nullptr,
             [&](int64_t pair) {
               const uint16_t* b0 = w + 2 * pair * kb * kTileElems;
               return std::pair(b0, 2 * pair + 1 < nb ? b0 + kb * kTileElems : nullptr);
             },
             [](int64_t, int64_t, int64_t, int64_t) {});
-  return out;
+  return result;
 }
 
 torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
@@ -163,7 +185,8 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 
 #else
 
-torch::Tensor avx512_bf16_linear(const torch::Tensor&, const torch::Tensor&, int64_t, bool) {
+torch::Tensor avx512_bf16_linear(const torch::Tensor&, const torch::Tensor&, int64_t, bool,
+                                 const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "avx512_bf16_linear is in the avx512 build only (cpu_kernels.avx512_bf16_unavailable_reason)");
 }
 

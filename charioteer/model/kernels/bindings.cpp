@@ -31,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x bf16 @ w.T on AMX tiles, for a weight packed by amx_pack", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
   m.def("avx512_bf16_linear", &avx512_bf16_linear, "x bf16 @ w.T with AVX512-BF16 for a weight packed by amx_pack",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false);
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_output") = false, py::arg("out") = py::none());
   m.def("avx512_bf16_linear_int8", &avx512_bf16_linear_int8,
         "x fp32 @ (q * scale).T with AVX512-BF16 for int8 panels: q widened to bf16, x rounded to it");
   m.def("vnni_linear_int8", &vnni_linear_int8,

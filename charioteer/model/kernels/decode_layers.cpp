@@ -62,13 +62,12 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
 torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
                                    int64_t n, const torch::Tensor& out) const {
   if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm)
-  if (!plain_.empty()) {  // as NarrowLinear with native_rows: both paths round input and product to bf16
-    const auto rounded = x.to(torch::kBFloat16);
+  if (!plain_.empty()) {  // as NarrowLinear with native_rows: every path rounds input and product to bf16
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
-    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(rounded, plain_[4 * layer + which])
-                         : panels.dim() != 4 ? panel_linear(rounded.to(torch::kFloat), panels, n).to(torch::kBFloat16)
-                         : amx_tiles_        ? amx_linear(rounded, panels, n, true)
-                                             : avx512_bf16_linear(rounded, panels, n, true);
+    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(torch::kBFloat16), plain_[4 * layer + which])
+                         : panels.dim() != 4 ? panel_linear(x.to(torch::kBFloat16).to(torch::kFloat), panels, n).to(torch::kBFloat16)
+                         : amx_tiles_        ? amx_linear(x, panels, n, true)
+                                             : avx512_bf16_linear(x, panels, n, true, out);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
   if (int8_tiles(x.size(0)))  // int8 panels widened to bf16
@@ -80,6 +79,11 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
 
 bool DecodeLayers::int8_tiles(int64_t rows) const {
   return !scales_.empty() && native_rows_ > 0 && rows >= native_rows_;
+}
+
+bool DecodeLayers::writes_buffers(int64_t rows) const {
+  if (plain_.empty()) return !int8_tiles(rows);
+  return rows < native_rows_ && qkv_[0].dim() == 4 && !amx_tiles_;  // avx512_bf16_linear
 }
 
 c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {
@@ -94,7 +98,7 @@ void DecodeLayers::keep_buffers(int64_t rows, int64_t hidden, const torch::Tenso
   const auto fp32 = options.dtype(torch::kFloat);
   const auto products = plain_.empty() ? fp32 : options.dtype(torch::kBFloat16);  // what `linear` writes
   b.rows = rows;
-  b.fused = torch::empty({rows, qkv_heads * head_dim_}, fp32);
+  b.fused = torch::empty({rows, qkv_heads * head_dim_}, products);
   const auto heads = b.fused.view({rows, qkv_heads, head_dim_});
   b.to_rotate = heads.narrow(1, 0, heads_ + kv_heads_);
   b.v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
@@ -103,11 +107,11 @@ void DecodeLayers::keep_buffers(int64_t rows, int64_t hidden, const torch::Tenso
   b.k = b.rotated.narrow(1, heads_, kv_heads_);
   b.attn = torch::empty({rows, heads_, head_dim_}, fp32);
   b.attn_rows = b.attn.view({rows, heads_ * head_dim_});
-  b.o = torch::empty({rows, hidden}, fp32);
+  b.o = torch::empty({rows, hidden}, products);
   b.h = torch::empty({rows, hidden}, products);
-  b.gate_up = torch::empty({rows, 2 * intermediate_}, fp32);
+  b.gate_up = torch::empty({rows, 2 * intermediate_}, products);
   b.act = torch::empty({rows, intermediate_}, products);
-  b.ffn = torch::empty({rows, hidden}, fp32);
+  b.ffn = torch::empty({rows, hidden}, products);
   b.x = torch::empty({rows, hidden}, fp32);
   b.first_h = torch::empty({rows, hidden}, fp32);
   b.cos = torch::empty({rows, head_dim_}, fp32);
@@ -161,7 +165,7 @@ void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet)
   meet();
   if (lead) {
     auto to_rotate = b.to_rotate, v = b.v;
-    if (!fused.is_same(b.fused)) {  // a bf16 product: views of its own
+    if (!fused.is_same(b.fused)) {  // a kernel's new tensor (no out-variant): views of its own
       const auto heads = fused.view({rows, qkv_heads, head_dim_});
       to_rotate = heads.narrow(1, 0, heads_ + kv_heads_);
       v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
@@ -198,9 +202,8 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   keep_buffers(rows, x.size(1), x.options());
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
-  const bool outs = plain_.empty() && !int8_tiles(rows);  // every GEMM writes into its buffer (`linear`)
   const int64_t threads = at::get_num_threads();
-  if (!outs || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {
+  if (!writes_buffers(rows) || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {
     for (int64_t l = 0; l < layers; ++l) layer(l, step, true, [] {});
     return x;
   }

@@ -82,17 +82,19 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 bool amx_ready();  // Linux granted this process the tile state
 // bf16 [N, K] -> [ceil(N/16), ceil(K/32), 16, 32]: per 16 columns and 32 k, the B tile tdpbf16ps reads.
 torch::Tensor amx_pack(const torch::Tensor& weight);
-// x bf16 [M, K] @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
+// x [M, K] (bf16, or fp32 rounded to it) @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
 // x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
-// The checks of the tile-order GEMMs (`name`: amx_linear or avx512_bf16_linear) on x bf16 [M, K] and a weight
-// packed by amx_pack; returns their output [M, n], fp32 or bf16.
+// The checks of the tile-order GEMMs (`name`: amx_linear or avx512_bf16_linear) on x [M, K] (fp32, rounded to bf16 to
+// nearest even, or bf16) and a weight packed by amx_pack; returns their output [M, n], fp32 or bf16 (output_or_new).
 torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                               bool bf16_output);
+                               bool bf16_output, const c10::optional<torch::Tensor>& out = c10::nullopt);
 // The same product as amx_linear, on the same packed weight, with AVX512-BF16's vdpbf16ps instead of tiles
-// (avx512_bf16_gemm.cpp): only in the avx512 build, and where the CPU has AVX512-BF16.
-torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+// (avx512_bf16_gemm.cpp): only in the avx512 build, and where the CPU has AVX512-BF16. Inside DecodeLayers' team it
+// computes this thread's share of the columns.
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                                 const c10::optional<torch::Tensor>& out = c10::nullopt);
 // x fp32 [M, K] rounded to bf16 @ (q * scale[:, None]).T -> fp32 [M, n], for int8 q in the AVX-512
 // build's 32-column panels (panel_linear's): each panel widened to bf16 (exact); also needs AVX512-BF16.
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale);
@@ -204,8 +206,11 @@ class DecodeLayers {
   template <typename Meet>
   void layer(int64_t l, const Step& in, bool lead, const Meet& meet);
   bool int8_tiles(int64_t rows) const;  // int8 panels widened to bf16 at this many rows (no out-variant)
+  // Whether every GEMM of a batch of `rows` writes into its buffer, on a kernel that takes a team's share: the batches
+  // that may run in one region (AMX tiles and oneDNN's GEMMs start their own).
+  bool writes_buffers(int64_t rows) const;
   c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
-  // Writes into `out` (fp32) where the kernel has an out-variant; bf16 products come back as new tensors.
+  // Writes into `out` (fp32, or bf16 with `plain`) where the kernel has an out-variant, else returns a new tensor.
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which, int64_t n,
                        const torch::Tensor& out) const;
 
