@@ -128,6 +128,41 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+def test_one_region_decode_layers_spread_a_long_context_over_the_threads():
+    """A context of several attention chunks is split over the team's threads by positions, its chunks combined
+    after the threads meet: the bits of one thread's run, with a short context beside it or alone."""
+    hidden, heads, kv_heads, dim, inter, layers, g = 64, 6, 3, 64, 96, 2, torch.Generator().manual_seed(2)
+    chunk = cpu_kernels.decode_attention_chunk()
+
+    def packed(n, k):
+        return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
+
+    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers)]
+    runner = cpu_kernels.decode_layers(norms, packed((heads + 2 * kv_heads) * dim, hidden), packed(hidden, heads * dim),
+                                       norms, packed(2 * inter, hidden), packed(hidden, inter), heads=heads,
+                                       kv_heads=kv_heads, head_dim=dim, intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    long, width = 2 * chunk + 37, 2 * chunk + 40
+    kv0 = torch.randn(layers, 2, 2 * width + 1, kv_heads, dim, generator=g)
+    x = torch.randn(2, hidden, generator=g)
+    cos, sin = torch.rand(2, dim, generator=g), torch.rand(2, dim, generator=g)
+    slots = torch.randperm(2 * width, generator=g).view(2, width)
+    lengths = torch.tensor([long, 5])
+
+    def run(rows, threads):
+        kv, y, before = kv0.clone(), x[rows].clone(), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            h = cpu_kernels.rms_norm(x[rows], norms[0], 1e-5)
+            mapping = slots[rows, lengths[rows] - 1]
+            return runner.run(y, h, kv, cos[rows], sin[rows], mapping, slots[rows], lengths[rows])
+        finally:
+            torch.set_num_threads(before)
+
+    both, first = [0, 1], [0]
+    assert torch.equal(run(both, 2), run(both, 1))
+    assert torch.equal(run(first, 2), run(first, 1)) and torch.equal(run(first, 2)[0], run(both, 2)[0])
+
+
 def test_decode_layers_run_tokens_is_the_embedding_norms_and_run_and_refuses_rows_past_its_tables():
     """run_tokens: the embedding's rows (a bf16 table widened), the RoPE tables' rows, the first norm, run and the
     final norm in one call, bit for bit those ops one by one; a token or position past its table is refused."""
@@ -311,10 +346,11 @@ def _sdpa_reference(q, k_cache, v_cache, slots, lengths):
 @each_isa
 @settings(max_examples=40, deadline=None)
 @given(decodes=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 6, 8]),
-       dim=st.sampled_from(cpu_kernels.HEAD_DIMS), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
-       cache_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dim=st.sampled_from(cpu_kernels.HEAD_DIMS), width=st.one_of(st.integers(1, 70), st.integers(250, 800)),
+       seed=st.integers(0, 2**31 - 1), cache_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, seed, cache_dtype, isa):
-    """A bf16 cache is widened exactly: its result is its widened values' (widened bf16, precision.py)."""
+    """A bf16 cache is widened exactly: its result is its widened values' (widened bf16, precision.py). Contexts
+    past one chunk (decode_attention_chunk, 256 positions) are computed chunk by chunk and combined."""
     g = torch.Generator().manual_seed(seed)
     num_slots = decodes * width + 1
     k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=g).to(cache_dtype) for _ in range(2))
@@ -336,14 +372,17 @@ def test_decode_attention_matches_float64(decodes, kv_heads, group, dim, width, 
 @pytest.mark.parametrize("kv_heads, group, dim, cache_dtype", [(3, 3, 64, torch.float32), (1, 8, 128, torch.bfloat16),
                                                                (2, 6, 64, torch.bfloat16), (3, 1, 128, torch.float32)])
 def test_decode_attention_bits_do_not_depend_on_the_batch(kv_heads, group, dim, cache_dtype, isa):
-    """Threads take (request, KV head) pairs longest context first, one at a time: which thread computes a pair,
-    with which others, and on how many threads, must not change its bits."""
+    """Threads take (request, KV head, chunk) items longest context first, one at a time: which thread computes an
+    item, with which others, and on how many threads, must not change a result's bits; nor do a longer context's
+    chunks, combined in their order."""
     g = torch.Generator().manual_seed(7)
-    decodes, width = 7, 90
+    chunk = cpu_kernels.decode_attention_chunk(isa)
+    decodes, width = 7, 3 * chunk
     num_slots = decodes * width + 1
     k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=g).to(cache_dtype) for _ in range(2))
     q = torch.randn(decodes, kv_heads * group, dim, generator=g)
-    lengths = torch.tensor([5, 90, 17, 64, 1, 33, 88])  # mixed, so the order of the pairs is not the batch's
+    # mixed, so the order of the items is not the batch's; one chunk, a chunk and a position, three chunks
+    lengths = torch.tensor([5, chunk, 17, chunk + 1, 1, 33, 3 * chunk])
     slots = torch.randperm(num_slots, generator=g)[: decodes * width].view(decodes, width)
     batch = cpu_kernels.decode_attention(q, k_cache, v_cache, slots, lengths, dim ** -0.5, isa=isa)
     threads = torch.get_num_threads()

@@ -544,8 +544,9 @@ def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[di
     return out
 
 
-# (name, query heads, KV heads, head_dim, [(decodes, context tokens)]) of bench roofline --decode-attention
-DECODE_ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((1, 256), (16, 600))),
+# (name, query heads, KV heads, head_dim, [(decodes, context tokens)]) of bench roofline --decode-attention; one
+# long context is spread over the threads by its chunks (cpu_kernels.decode_attention_chunk)
+DECODE_ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((1, 256), (1, 4096), (16, 600))),
                            ("LLaMA-7B", 32, 32, 128, ((1, 512), (16, 512))))
 COLD_CACHE_MB = 1024  # K/V read per timed call set: beyond any last-level cache here (the Xeon's is 480 MB)
 

@@ -12,7 +12,8 @@ SDPA run such small shapes.
   summed over k in order, so a row's result does not depend on the other rows of its batch.
 - `decode_attention`: each decode's query against its own context, read in place through its
   slot list, with no padded copy of the contexts and one call for the whole batch; the cache may
-  be bf16 (widened bf16, charioteer.model.precision).
+  be bf16 (widened bf16, charioteer.model.precision). A context longer than `decode_attention_chunk`
+  is split into chunks that any thread may take, then combined in order.
 - Row ops (`add_rms_norm_`, `rms_norm`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
@@ -210,6 +211,12 @@ def available() -> bool:
 def status() -> str:
     """One line for setup: which kernels are ready, or why none."""
     return f"{chosen_isa()} ready" if available() else f"none ({unavailable_reason()})"
+
+
+def decode_attention_chunk(isa: str | None = None) -> int:
+    """Positions one work item of `decode_attention` covers: a longer context is split into chunks of this many,
+    spread over the threads and combined in order, so one long context keeps every thread busy."""
+    return _kernels(isa).decode_attention_chunk
 
 
 def max_rows(isa: str | None = None) -> int:

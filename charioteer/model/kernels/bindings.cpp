@@ -5,6 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = CHARIOTEER_ISA;
   m.attr("panel_width") = panel_width();
   m.attr("panel_row_block") = panel_row_block();
+  m.attr("decode_attention_chunk") = decode_attention_chunk();
   m.def("panel_linear", &panel_linear, "y = x @ w.T for a weight packed by cpu_kernels.pack", py::arg("x"),
         py::arg("panels"), py::arg("n"), py::arg("scale") = py::none(), py::arg("out") = py::none());
   m.def("decode_attention", &decode_attention, "one query token per request against its cached context");

@@ -1,12 +1,18 @@
 // Decode attention on the KV cache in place: one query token per request against its own cached
 // context, read through its slot list, so no padded copy of the contexts is made.
 //
-// Work is split over (request, KV head) pairs; each pair computes the scores of the query heads
-// that share the KV head (grouped-query attention), a softmax with a vectorised exp, and the
-// weighted sum of V rows. Threads take the pairs longest context first, one at a time (a static
-// split of a batch's mixed lengths left one thread idle for a sixth of the call), and while a pair
-// sums its V rows, which are in L2 by then, the thread prefetches the K rows of its next pair, so
-// its memory stream does not pause. Which thread computes a pair does not change its bits.
+// Work is split over (request, KV head, chunk) items: a chunk is kChunk positions of the context, and
+// each item computes the scores of the query heads that share the KV head (grouped-query attention), a
+// softmax with a vectorised exp, and the weighted sum of V rows. A context of one chunk is written
+// whole; a longer one's chunks leave their sums unscaled with their maximum and total, which are then
+// combined in chunk order (as vLLM's paged attention v2 and flash-decoding do). The chunks let one
+// request's long context spread over every thread: by (request, KV head) alone, SmolLM2's 3 KV heads
+// split 2:1 over 2 threads. Threads take items longest context first, one at a time (a static split of
+// a batch's mixed lengths left one thread idle for a sixth of the call; inside DecodeLayers' team each
+// thread takes an equal share of positions), and while an item sums its V rows, which are in L2 by then,
+// the thread prefetches the K rows of its next item, so its memory stream does not pause. The chunks
+// are fixed positions, so which thread computes an item, and what else is in the batch, does not change
+// a result's bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,12 +25,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int kMaxGroup = 4;  // query heads scored together against one read of a K or V row
 constexpr int64_t kAhead = 8;  // K rows prefetched ahead of the score loop
+// Positions a work item covers: a context up to this long is one item per KV head, with the bits it had before
+// contexts were chunked.
+constexpr int64_t kChunk = 256;
 
 template <typename T>
 inline void prefetch_row(const T* row, int dim, int hint) {
@@ -46,9 +56,11 @@ struct NextRows {
 // Query heads [0, G) of one KV head against its context. Each K and V row is read once for all
 // G heads; the cache rows are cold at a decode step (every weight streamed since the last one),
 // so K rows are prefetched a few rows ahead and V rows into L2 during the score pass.
+// With `stats` (a chunk of a longer context), out gets the unscaled sums and stats each head's maximum score and
+// total of exp(score - maximum), for combine_chunks; else out gets the attention.
 template <int Dim, int G, typename T>
 void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int64_t row_stride,
-                  const int64_t* slots, int64_t length, float scale, float* out, float* scores,
+                  const int64_t* slots, int64_t length, float scale, float* out, float* stats, float* scores,
                   const NextRows<T>& next) {
   constexpr int C = Dim / kLanes;
   Vec qv[G][C];
@@ -80,7 +92,12 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
       vstore_n(sj + t, e, length - t);
       total = vadd(total, vkeep_n(e, length - t));
     }
-    inv[j] = 1.f / vsum(total);
+    const float sum = vsum(total);
+    inv[j] = 1.f / sum;
+    if (stats != nullptr) {
+      stats[2 * j] = best[j];
+      stats[2 * j + 1] = sum;
+    }
   }
   Vec acc[G][C];
   for (int j = 0; j < G; ++j)
@@ -96,61 +113,146 @@ void attend_group(const float* q, int64_t q_stride, const T* k, const T* v, int6
     }
   }
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) vstore(out + j * Dim + kLanes * c, vmul(acc[j][c], vset1(inv[j])));
+    for (int c = 0; c < C; ++c)
+      vstore(out + j * Dim + kLanes * c, stats != nullptr ? acc[j][c] : vmul(acc[j][c], vset1(inv[j])));
 }
 
 // All `heads` query heads that share one KV head, kMaxGroup at a time (the last group prefetches `next`).
 template <int Dim, typename T>
 void attend(const float* q, int64_t q_stride, int64_t heads, const T* k, const T* v, int64_t row_stride,
-            const int64_t* slots, int64_t length, float scale, float* out, float* scores, const NextRows<T>& next) {
+            const int64_t* slots, int64_t length, float scale, float* out, float* stats, float* scores,
+            const NextRows<T>& next) {
   using Fn = void (*)(const float*, int64_t, const T*, const T*, int64_t, const int64_t*, int64_t, float,
-                      float*, float*, const NextRows<T>&);
+                      float*, float*, float*, const NextRows<T>&);
   static constexpr Fn by_size[kMaxGroup] = {attend_group<Dim, 1, T>, attend_group<Dim, 2, T>, attend_group<Dim, 3, T>,
                                             attend_group<Dim, 4, T>};
   for (int64_t j = 0; j < heads; j += kMaxGroup) {
     const int64_t g = std::min<int64_t>(kMaxGroup, heads - j);
-    by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim, scores,
-                   j + g < heads ? NextRows<T>{} : next);
+    by_size[g - 1](q + j * q_stride, q_stride, k, v, row_stride, slots, length, scale, out + j * Dim,
+                   stats != nullptr ? stats + 2 * j : nullptr, scores, j + g < heads ? NextRows<T>{} : next);
   }
 }
 
-// Every (request, KV head) pair of the batch over caches of element type T.
+// One (request, KV head) pair's chunks combined, in chunk order: each head's sums weighted by exp(its chunk's
+// maximum - the largest), over the totals weighted alike. sums [chunks][heads][dim], stats [chunks][heads][2].
+void combine_chunks(const float* sums, const float* stats, int64_t chunks, int64_t heads, int64_t dim, float* out) {
+  for (int64_t j = 0; j < heads; ++j) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, stats[(c * heads + j) * 2]);
+    float total = 0.f;
+    for (int64_t i = 0; i < dim; i += kLanes) vstore(out + j * dim + i, vzero());
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float weight = std::exp(stats[(c * heads + j) * 2] - top);
+      total += weight * stats[(c * heads + j) * 2 + 1];
+      const float* sum = sums + (c * heads + j) * dim;
+      for (int64_t i = 0; i < dim; i += kLanes)
+        vstore(out + j * dim + i, vfma(vset1(weight), vload(sum + i), vload(out + j * dim + i)));
+    }
+    const Vec inv = vset1(1.f / total);
+    for (int64_t i = 0; i < dim; i += kLanes) vstore(out + j * dim + i, vmul(vload(out + j * dim + i), inv));
+  }
+}
+
+// A work item: positions [start, start + length) of request d's context against KV head g. `part` indexes the
+// item's sums and stats in the room where its context has several chunks, -1 where it has one.
+struct Item {
+  int64_t d, g, start, length, part;
+};
+
+// A pair (request d, KV head g) whose `chunks` chunks are parts first .. first + chunks - 1 of the room.
+struct Chunked {
+  int64_t d, g, first, chunks;
+};
+
+int64_t chunks_of(int64_t length) { return (length + kChunk - 1) / kChunk; }
+
+// Items [first, last) of a team thread's share: the items that start in its equal share of the positions.
+std::pair<int64_t, int64_t> share_of_positions(const std::vector<Item>& items, const TeamShare& share) {
+  int64_t total = 0;
+  for (const Item& it : items) total += it.length;
+  const int64_t from = total * share.first / share.size, to = total * share.last / share.size;
+  int64_t first = 0, at = 0;
+  for (; first < static_cast<int64_t>(items.size()) && at < from; ++first) at += items[first].length;
+  int64_t last = first;
+  for (; last < static_cast<int64_t>(items.size()) && at < to; ++last) at += items[last].length;
+  return {first, last};
+}
+
+// Every item of the batch over caches of element type T, then the chunks of longer contexts combined.
 template <typename T>
 void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const int64_t* sp, const int64_t* len,
-                int64_t decodes, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, float* op) {
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim, pairs = decodes * kv_heads;
+                int64_t decodes, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, float* op,
+                const DecodeTeam* team) {
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
   const auto fn = dim == 64 ? attend<64, T> : attend<128, T>;
-  std::vector<int64_t> order(pairs);  // longest context first
-  for (int64_t i = 0; i < pairs; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
-  const int64_t score_floats = std::min<int64_t>(group, kMaxGroup) * width;
-  // pair `p` (an index into the batch's pairs), prefetching pair `following`'s K rows (-1: none)
-  const auto attend_pair = [&](int64_t p, int64_t following, float* scores) {
+  std::vector<int64_t> order(decodes);  // longest context first
+  for (int64_t i = 0; i < decodes; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  std::vector<Item> items;
+  std::vector<Chunked> chunked;
+  int64_t parts = 0;
+  for (const int64_t d : order) {
+    const int64_t chunks = chunks_of(len[d]);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        items.push_back({d, g, c * kChunk, std::min(kChunk, len[d] - c * kChunk), chunks > 1 ? parts + g * chunks + c : -1});
+    if (chunks == 1) continue;
+    for (int64_t g = 0; g < kv_heads; ++g) chunked.push_back({d, g, parts + g * chunks, chunks});
+    parts += chunks * kv_heads;
+  }
+  std::vector<float> own_room;
+  float* sums = nullptr;
+  if (parts > 0) {
+    const int64_t floats = parts * group * (dim + 2);
+    if (team != nullptr) {
+      TORCH_CHECK(team->room_floats >= floats, "decode attention's room is ", team->room_floats, " floats, needs ", floats);
+      sums = team->room;
+    } else {
+      own_room.resize(floats);
+      sums = own_room.data();
+    }
+  }
+  float* stats = sums + parts * group * dim;
+  const int64_t score_floats = std::min<int64_t>(group, kMaxGroup) * std::min(width, kChunk);
+  // item `i`, prefetching item `following`'s K rows (-1: none)
+  const auto attend_item = [&](int64_t i, int64_t following, float* scores) {
     NextRows<T> next;
     if (following >= 0) {
-      const int64_t d = following / kv_heads, g = following % kv_heads;
-      next = {kp + g * dim, sp + d * width, len[d]};
+      const Item& f = items[following];
+      next = {kp + f.g * dim, sp + f.d * width + f.start, f.length};
     }
-    const int64_t d = p / kv_heads, g = p % kv_heads;
-    fn(qp + d * q_rows + g * group * dim, dim, group, kp + g * dim, vp + g * dim, row_stride, sp + d * width, len[d],
-       scale, op + (d * heads + g * group) * dim, scores, next);
+    const Item& it = items[i];
+    float* out = it.part < 0 ? op + (it.d * heads + it.g * group) * dim : sums + it.part * group * dim;
+    fn(qp + it.d * q_rows + it.g * group * dim, dim, group, kp + it.g * dim, vp + it.g * dim, row_stride,
+       sp + it.d * width + it.start, it.length, scale, out, it.part < 0 ? nullptr : stats + it.part * group * 2,
+       scores, next);
   };
-  if (team_share() != nullptr) {  // inside DecodeLayers' region: this thread's share of the pairs, in order
-    parallel_split(pairs, [&](int64_t first, int64_t last) {
-      std::vector<float> scores(score_floats);
-      for (int64_t i = first; i < last; ++i) attend_pair(order[i], i + 1 < last ? order[i + 1] : -1, scores.data());
-    });
+  const auto combine = [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const Chunked& c = chunked[p];
+      combine_chunks(sums + c.first * group * dim, stats + c.first * group * 2, c.chunks, group, dim,
+                     op + (c.d * heads + c.g * group) * dim);
+    }
+  };
+  const int64_t n = items.size();
+  if (const TeamShare* share = team_share(); share != nullptr && team != nullptr) {  // this thread's share, in order
+    const auto [first, last] = share_of_positions(items, *share);
+    std::vector<float> scores(score_floats);
+    for (int64_t i = first; i < last; ++i) attend_item(i, i + 1 < last ? i + 1 : -1, scores.data());
+    if (chunked.empty()) return;
+    team->meet(team->meeting);
+    parallel_split(chunked.size(), combine);
     return;
   }
   std::atomic<int64_t> taken{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pairs), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(score_floats);
-    for (int64_t current = taken.fetch_add(1), following; current < pairs; current = following) {
+    for (int64_t current = taken.fetch_add(1), following; current < n; current = following) {
       following = taken.fetch_add(1);
-      attend_pair(order[current], following < pairs ? order[following] : -1, scores.data());
+      attend_item(current, following < n ? following : -1, scores.data());
     }
   });
+  if (!chunked.empty()) at::parallel_for(0, chunked.size(), 1, combine);
 }
 
 // One cache row from fp32 or bf16 values: a copy, each fp32 value rounded to bf16 (to nearest even, as
@@ -203,7 +305,7 @@ Caches caches_of(const torch::Tensor& kv, int64_t layer) {
 }
 
 void attend_caches(const torch::Tensor& q, const Caches& c, const torch::Tensor& slots, const torch::Tensor& lengths,
-                   double scale, torch::Tensor& out) {
+                   double scale, torch::Tensor& out, const DecodeTeam* team) {
   TORCH_CHECK(q.dim() == 3, "q must be [D, heads, dim]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "q and out must be fp32");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous (its rows may be strided)");
@@ -226,10 +328,10 @@ void attend_caches(const torch::Tensor& q, const Caches& c, const torch::Tensor&
   const float s = static_cast<float>(scale);
   if (!c.bf16) {
     attend_all(qp, q.stride(0), static_cast<const float*>(c.k), static_cast<const float*>(c.v), sp, len, decodes,
-               heads, kv_heads, dim, width, s, op);
+               heads, kv_heads, dim, width, s, op, team);
   } else {
     attend_all(qp, q.stride(0), static_cast<const uint16_t*>(c.k), static_cast<const uint16_t*>(c.v), sp, len,
-               decodes, heads, kv_heads, dim, width, s, op);
+               decodes, heads, kv_heads, dim, width, s, op, team);
   }
 }
 
@@ -262,12 +364,25 @@ void store_caches(const Caches& c, const torch::Tensor& slot_mapping, const torc
 // The caches may be fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
-  attend_caches(q, caches_of(k_cache, v_cache), slots, lengths, scale, out);
+  attend_caches(q, caches_of(k_cache, v_cache), slots, lengths, scale, out, nullptr);
 }
 
 void decode_attention_layer(const torch::Tensor& q, const torch::Tensor& kv, int64_t layer,
-                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out) {
-  attend_caches(q, caches_of(kv, layer), slots, lengths, scale, out);
+                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out,
+                            const DecodeTeam* team) {
+  attend_caches(q, caches_of(kv, layer), slots, lengths, scale, out, team);
+}
+
+int64_t decode_attention_chunk() { return kChunk; }
+
+int64_t decode_attention_room(const torch::Tensor& lengths, int64_t heads, int64_t dim) {
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == torch::kLong, "lengths must be [D] int64");
+  const auto lc = lengths.contiguous();
+  const int64_t* len = lc.data_ptr<int64_t>();
+  int64_t parts = 0;
+  for (int64_t d = 0; d < lc.size(0); ++d)
+    if (chunks_of(len[d]) > 1) parts += chunks_of(len[d]);
+  return parts * heads * (dim + 2);
 }
 
 // k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: the step's new K/V rows (which may be

@@ -174,7 +174,13 @@ void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet)
     store_kv_layer(in.kv, l, in.slot_mapping, b.k, v);
   }
   meet();
-  decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn);
+  if (team_share() != nullptr) {
+    const DecodeTeam team{[](const void* m) { (*static_cast<const Meet*>(m))(); }, &meet, b.room.data_ptr<float>(),
+                          b.room.numel()};
+    decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn, &team);
+  } else {
+    decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn);
+  }
   meet();
   const auto o = linear(b.attn_rows, o_[l], l, 1, hidden, b.o);
   meet();
@@ -201,6 +207,8 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == layers && kv.size(1) == 2, "kv must be [layers, 2, slots, kv_heads, dim]");
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   keep_buffers(rows, x.size(1), x.options());
+  const int64_t room = decode_attention_room(lengths, heads_, head_dim_);
+  if (!buffers_.room.defined() || buffers_.room.numel() < room) buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
   const int64_t threads = at::get_num_threads();
   if (!writes_buffers(rows) || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {

@@ -63,9 +63,23 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);  // caches fp32 or bf16
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v);
-// The same two on layer `layer` of a [layers, 2, slots, kv_heads, dim] cache, without views of it.
+// What DecodeLayers' team gives decode attention for contexts of several chunks: a meeting point between the
+// chunks and their combination (meet(meeting)), and room, shared by the team, for the chunks' partial results
+// (decode_attention_room floats or more).
+struct DecodeTeam {
+  void (*meet)(const void*);
+  const void* meeting;
+  float* room;
+  int64_t room_floats;
+};
+// The same two on layer `layer` of a [layers, 2, slots, kv_heads, dim] cache, without views of it; inside
+// DecodeLayers' team, with `team`.
 void decode_attention_layer(const torch::Tensor& q, const torch::Tensor& kv, int64_t layer,
-                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);
+                            const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out,
+                            const DecodeTeam* team = nullptr);
+int64_t decode_attention_chunk();  // positions a decode attention work item covers; longer contexts are combined
+// The floats of room decode attention needs for these contexts' chunks (`heads` query heads of size `dim`).
+int64_t decode_attention_room(const torch::Tensor& lengths, int64_t heads, int64_t dim);
 void store_kv_layer(const torch::Tensor& kv, int64_t layer, const torch::Tensor& slot_mapping, const torch::Tensor& k,
                     const torch::Tensor& v);
 // delta fp32 or bf16; the norm fp32, or bf16 with bf16_out (rope and store_kv also take bf16 rows).
@@ -195,6 +209,7 @@ class DecodeLayers {
     int64_t rows = -1;
     torch::Tensor fused, to_rotate, v, rotated, q, k, attn, attn_rows, o, h, gate_up, act, ffn;
     torch::Tensor x, first_h, cos, signed_sin;
+    torch::Tensor room;  // decode attention's, for contexts of several chunks (grown by run)
   };
   void keep_buffers(int64_t rows, int64_t hidden, const torch::TensorOptions& options);
   struct Step {  // run's arguments
