@@ -13,7 +13,7 @@ SDPA run such small shapes.
 - `decode_attention`: each decode's query against its own context, read in place through its
   slot list, with no padded copy of the contexts and one call for the whole batch; the cache may
   be bf16 (widened bf16, charioteer.model.precision). A context longer than `decode_attention_chunk`
-  is split into chunks that any thread may take, then combined in order.
+  is split into equal chunks that any thread may take, then combined in order.
 - Row ops (`add_rms_norm_`, `rms_norm`, `rope`, `silu_mul`, `argmax_rows`, `store_kv`): one call each instead
   of two to five small torch ops, which cost 4-30 us apiece on a 16-row batch.
 - `decode_layers`: all of the above for every layer of a decode-only batch in one C++ call.
@@ -214,7 +214,7 @@ def status() -> str:
 
 
 def decode_attention_chunk(isa: str | None = None) -> int:
-    """Positions one work item of `decode_attention` covers: a longer context is split into chunks of this many,
+    """Positions one work item of `decode_attention` covers at most: a longer context is split into equal chunks,
     spread over the threads and combined in order, so one long context keeps every thread busy."""
     return _kernels(isa).decode_attention_chunk
 

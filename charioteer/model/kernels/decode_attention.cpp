@@ -1,7 +1,7 @@
 // Decode attention on the KV cache in place: one query token per request against its own cached
 // context, read through its slot list, so no padded copy of the contexts is made.
 //
-// Work is split over (request, KV head, chunk) items: a chunk is kChunk positions of the context, and
+// Work is split over (request, KV head, chunk) items: a chunk is up to kChunk positions of the context, and
 // each item computes the scores of the query heads that share the KV head (grouped-query attention), a
 // softmax with a vectorised exp, and the weighted sum of V rows. A context of one chunk is written
 // whole; a longer one's chunks leave their sums unscaled with their maximum and total, which are then
@@ -32,9 +32,10 @@ namespace {
 
 constexpr int kMaxGroup = 4;  // query heads scored together against one read of a K or V row
 constexpr int64_t kAhead = 8;  // K rows prefetched ahead of the score loop
-// Positions a work item covers: a context up to this long is one item per KV head, with the bits it had before
-// contexts were chunked.
-constexpr int64_t kChunk = 256;
+// Positions a work item covers at most: a context up to this long is one item per KV head, with the bits it had
+// before contexts were chunked; a longer one is cut into equal chunks. Chunks of 256 made 16 requests of 600
+// positions 1.08x slower (BENCHMARKS.md), chunks of 1024 left them alone.
+constexpr int64_t kChunk = 1024;
 
 template <typename T>
 inline void prefetch_row(const T* row, int dim, int hint) {
@@ -193,9 +194,10 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   int64_t parts = 0;
   for (const int64_t d : order) {
     const int64_t chunks = chunks_of(len[d]);
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t g = 0; g < kv_heads; ++g)
-        items.push_back({d, g, c * kChunk, std::min(kChunk, len[d] - c * kChunk), chunks > 1 ? parts + g * chunks + c : -1});
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t start = len[d] * c / chunks, end = len[d] * (c + 1) / chunks;  // equal chunks, none empty
+      for (int64_t g = 0; g < kv_heads; ++g) items.push_back({d, g, start, end - start, chunks > 1 ? parts + g * chunks + c : -1});
+    }
     if (chunks == 1) continue;
     for (int64_t g = 0; g < kv_heads; ++g) chunked.push_back({d, g, parts + g * chunks, chunks});
     parts += chunks * kv_heads;
