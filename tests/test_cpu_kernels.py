@@ -97,12 +97,8 @@ def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
         kernels.silu_mul(gate_up[:1], out=gate_up[0, 40:].view(1, 40))
 
 
-def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_threads_on_a_bad_slot():
-    """A small batch's layers run in one parallel region, the threads meeting between ops: the bits of one
-    thread's run, and an error on one thread (a KV slot out of range, met by the row ops' thread alone) ends
-    the call for every thread instead of leaving them waiting."""
-    hidden, heads, kv_heads, dim, inter, layers, g = 64, 2, 1, 64, 96, 2, torch.Generator().manual_seed(0)
-
+def _small_decode_layers(g, heads, kv_heads, hidden=64, dim=64, inter=96, layers=2):
+    """A DecodeLayers of `layers` layers on random fp32 panels, and its norm weights (one per layer)."""
     def packed(n, k):
         return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
 
@@ -110,6 +106,15 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     runner = cpu_kernels.decode_layers(norms, packed((heads + 2 * kv_heads) * dim, hidden), packed(hidden, heads * dim),
                                        norms, packed(2 * inter, hidden), packed(hidden, inter), heads=heads,
                                        kv_heads=kv_heads, head_dim=dim, intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    return runner, norms
+
+
+def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_threads_on_a_bad_slot():
+    """A small batch's layers run in one parallel region, the threads meeting between ops: the bits of one
+    thread's run, and an error on one thread (a KV slot out of range, met by the row ops' thread alone) ends
+    the call for every thread instead of leaving them waiting."""
+    hidden, kv_heads, dim, layers, g = 64, 1, 64, 2, torch.Generator().manual_seed(0)
+    runner, norms = _small_decode_layers(g, heads=2, kv_heads=kv_heads)
     x = torch.randn(2, hidden, generator=g)
     cos, sin = torch.rand(2, dim, generator=g), torch.rand(2, dim, generator=g)
     slots, lengths = torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.tensor([3, 2])
@@ -131,16 +136,9 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
 def test_one_region_decode_layers_spread_a_long_context_over_the_threads():
     """A context of several attention chunks is split over the team's threads by positions, its chunks combined
     after the threads meet: the bits of one thread's run, with a short context beside it or alone."""
-    hidden, heads, kv_heads, dim, inter, layers, g = 64, 6, 3, 64, 96, 2, torch.Generator().manual_seed(2)
+    hidden, kv_heads, dim, layers, g = 64, 3, 64, 2, torch.Generator().manual_seed(2)
     chunk = cpu_kernels.decode_attention_chunk()
-
-    def packed(n, k):
-        return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
-
-    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers)]
-    runner = cpu_kernels.decode_layers(norms, packed((heads + 2 * kv_heads) * dim, hidden), packed(hidden, heads * dim),
-                                       norms, packed(2 * inter, hidden), packed(hidden, inter), heads=heads,
-                                       kv_heads=kv_heads, head_dim=dim, intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    runner, norms = _small_decode_layers(g, heads=6, kv_heads=kv_heads)
     long, width = 2 * chunk + 37, 2 * chunk + 40
     kv0 = torch.randn(layers, 2, 2 * width + 1, kv_heads, dim, generator=g)
     x = torch.randn(2, hidden, generator=g)
@@ -166,16 +164,9 @@ def test_one_region_decode_layers_spread_a_long_context_over_the_threads():
 def test_decode_layers_run_tokens_is_the_embedding_norms_and_run_and_refuses_rows_past_its_tables():
     """run_tokens: the embedding's rows (a bf16 table widened), the RoPE tables' rows, the first norm, run and the
     final norm in one call, bit for bit those ops one by one; a token or position past its table is refused."""
-    hidden, heads, kv_heads, dim, inter, layers, g = 64, 2, 1, 64, 96, 2, torch.Generator().manual_seed(1)
-
-    def packed(n, k):
-        return [cpu_kernels.pack(torch.randn(n, k, generator=g) * 0.1) for _ in range(layers)]
-
-    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers + 1)]  # the last: the final norm
-    runner = cpu_kernels.decode_layers(norms[:layers], packed((heads + 2 * kv_heads) * dim, hidden),
-                                       packed(hidden, heads * dim), norms[:layers], packed(2 * inter, hidden),
-                                       packed(hidden, inter), heads=heads, kv_heads=kv_heads, head_dim=dim,
-                                       intermediate=inter, eps=1e-5, scale=dim ** -0.5)
+    hidden, kv_heads, dim, layers, g = 64, 1, 64, 2, torch.Generator().manual_seed(1)
+    runner, norms = _small_decode_layers(g, heads=2, kv_heads=kv_heads)
+    norms = norms + [torch.rand(hidden, generator=g) + 0.5]  # the last: the final norm
     cos, sin = torch.rand(16, dim, generator=g), torch.rand(16, dim, generator=g)
     tokens, positions = torch.tensor([7, 3]), torch.tensor([2, 1])
     slots, lengths, slot_mapping = torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.tensor([3, 2]), torch.tensor([2, 4])
