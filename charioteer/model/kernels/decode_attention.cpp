@@ -10,9 +10,9 @@
 // split 2:1 over 2 threads. Threads take items longest context first, one at a time (a static split of
 // a batch's mixed lengths left one thread idle for a sixth of the call; inside DecodeLayers' team each
 // thread takes an equal share of positions), and while an item sums its V rows, which are in L2 by then,
-// the thread prefetches the K rows of its next item, so its memory stream does not pause. The chunks
-// are fixed positions, so which thread computes an item, and what else is in the batch, does not change
-// a result's bits.
+// the thread prefetches the K rows of its next item, so its memory stream does not pause. A context's
+// chunks depend on its length alone, so which thread computes an item, and what else is in the batch,
+// does not change a result's bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -196,7 +196,8 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
     const int64_t chunks = chunks_of(len[d]);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t start = len[d] * c / chunks, end = len[d] * (c + 1) / chunks;  // equal chunks, none empty
-      for (int64_t g = 0; g < kv_heads; ++g) items.push_back({d, g, start, end - start, chunks > 1 ? parts + g * chunks + c : -1});
+      for (int64_t g = 0; g < kv_heads; ++g)
+        items.push_back({d, g, start, end - start, chunks > 1 ? parts + g * chunks + c : -1});
     }
     if (chunks == 1) continue;
     for (int64_t g = 0; g < kv_heads; ++g) chunked.push_back({d, g, parts + g * chunks, chunks});
@@ -207,7 +208,8 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   if (parts > 0) {
     const int64_t floats = parts * group * (dim + 2);
     if (team != nullptr) {
-      TORCH_CHECK(team->room_floats >= floats, "decode attention's room is ", team->room_floats, " floats, needs ", floats);
+      TORCH_CHECK(team->room_floats >= floats, "decode attention's room is ", team->room_floats, " floats, needs ",
+                  floats);
       sums = team->room;
     } else {
       own_room.resize(floats);

@@ -64,8 +64,9 @@ torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& 
   if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm)
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: every path rounds input and product to bf16
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
-    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(torch::kBFloat16), plain_[4 * layer + which])
-                         : panels.dim() != 4 ? panel_linear(x.to(torch::kBFloat16).to(torch::kFloat), panels, n).to(torch::kBFloat16)
+    const auto bf16 = torch::kBFloat16;
+    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(bf16), plain_[4 * layer + which])
+                         : panels.dim() != 4 ? panel_linear(x.to(bf16).to(torch::kFloat), panels, n).to(bf16)
                          : amx_tiles_        ? amx_linear(x, panels, n, true)
                                              : avx512_bf16_linear(x, panels, n, true, out);
     return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
@@ -208,7 +209,8 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   keep_buffers(rows, x.size(1), x.options());
   const int64_t room = decode_attention_room(lengths, heads_, head_dim_);
-  if (!buffers_.room.defined() || buffers_.room.numel() < room) buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));
+  if (!buffers_.room.defined() || buffers_.room.numel() < room)
+    buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
   const int64_t threads = at::get_num_threads();
   if (!writes_buffers(rows) || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {

@@ -96,7 +96,8 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 bool amx_ready();  // Linux granted this process the tile state
 // bf16 [N, K] -> [ceil(N/16), ceil(K/32), 16, 32]: per 16 columns and 32 k, the B tile tdpbf16ps reads.
 torch::Tensor amx_pack(const torch::Tensor& weight);
-// x [M, K] (bf16, or fp32 rounded to it) @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for packed = amx_pack(w).
+// x [M, K] (bf16, or fp32 rounded to it) @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for
+// packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
 // x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
