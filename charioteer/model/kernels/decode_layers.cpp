@@ -208,15 +208,16 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == layers && kv.size(1) == 2, "kv must be [layers, 2, slots, kv_heads, dim]");
   TORCH_CHECK(h.sizes() == x.sizes(), "h must be x's input norm, of x's shape");
   keep_buffers(rows, x.size(1), x.options());
-  const int64_t room = decode_attention_room(lengths, heads_, head_dim_);
-  if (!buffers_.room.defined() || buffers_.room.numel() < room)
-    buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));
   const Step step{x, h, kv, cos, signed_sin, slot_mapping, slots, lengths};
   const int64_t threads = at::get_num_threads();
   if (!writes_buffers(rows) || rows > kTeamRows || threads < 2 || at::in_parallel_region()) {
     for (int64_t l = 0; l < layers; ++l) layer(l, step, true, [] {});
     return x;
   }
+  // the team's shared room for decode attention's chunks (called op by op, it keeps its own)
+  const int64_t room = decode_attention_room(lengths, heads_, head_dim_);
+  if (!buffers_.room.defined() || buffers_.room.numel() < room)
+    buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));
   // One region for every layer: the threads meet between the ops (a shared count, spun on) instead of starting a
   // region for each GEMM and the attention. at::parallel_for gives each thread one call, or one thread every
   // worker in one call, so a thread never waits on work it holds itself; a failing thread releases the others,
