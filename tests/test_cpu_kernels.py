@@ -133,13 +133,16 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
-def test_one_region_decode_layers_spread_a_long_context_over_the_threads():
+@pytest.mark.parametrize("heads, chunks", [(6, 2), (9, 0)])
+def test_one_region_decode_layers_spread_a_long_context_over_the_threads(heads, chunks):
     """A context of several attention chunks is split over the team's threads by positions, its chunks combined
-    after the threads meet: the bits of one thread's run, with a short context beside it or alone."""
+    after the threads meet; a context of one chunk with three query heads to a KV head has a KV head's heads
+    split between the threads: the bits of one thread's run, with a short context beside it or alone."""
     hidden, kv_heads, dim, layers, g = 64, 3, 64, 2, torch.Generator().manual_seed(2)
     chunk = cpu_kernels.decode_attention_chunk()
-    runner, norms = _small_decode_layers(g, heads=6, kv_heads=kv_heads)
-    long, width = 2 * chunk + 37, 2 * chunk + 40
+    runner, norms = _small_decode_layers(g, heads=heads, kv_heads=kv_heads)
+    long = chunks * chunk + 37
+    width = long + 3
     kv0 = torch.randn(layers, 2, 2 * width + 1, kv_heads, dim, generator=g)
     x = torch.randn(2, hidden, generator=g)
     cos, sin = torch.rand(2, dim, generator=g), torch.rand(2, dim, generator=g)

@@ -285,13 +285,17 @@ bool amx_ready() {
   return ready;
 }
 
-torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                               bool bf16_output, const c10::optional<torch::Tensor>& out) {
+void check_tile_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && fp32_or_bf16(x), name, " takes fp32 or bf16 x [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == kTileRows &&
               packed.size(3) == kTileK && packed.is_contiguous(), name, " takes a weight packed by amx_pack");
   TORCH_CHECK((x.size(1) + kTileK - 1) / kTileK == packed.size(1) && (n + kTileN - 1) / kTileN == packed.size(0),
               "x's K or n does not match the packed weight");
+}
+
+torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                               bool bf16_output, const c10::optional<torch::Tensor>& out) {
+  check_tile_gemm(name, x, packed, n);
   return output_or_new(name, out, {x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat), x);
 }
 

@@ -142,11 +142,13 @@ std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb
 
 }  // namespace
 
-torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
-                                 const c10::optional<torch::Tensor>& out) {
-  auto result = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output, out);
+void avx512_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                             const torch::Tensor& result) {
+  check_tile_gemm("avx512_bf16_linear", x, packed, n);
+  check_out("avx512_bf16_linear", result, {x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
+  check_apart("avx512_bf16_linear", result, x);
   const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
-  if (m == 0) return result;
+  if (m == 0) return;
   const auto [a, lda] = tile_rows(x, kb);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   run_pairs(a, lda, m, n, nb, kb, bf16_output ? nullptr : result.data_ptr<float>(),
@@ -156,6 +158,12 @@ torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& pa
               return std::pair(b0, 2 * pair + 1 < nb ? b0 + kb * kTileElems : nullptr);
             },
             [](int64_t, int64_t, int64_t, int64_t) {});
+}
+
+torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                                 const c10::optional<torch::Tensor>& out) {
+  auto result = tile_gemm_output("avx512_bf16_linear", x, packed, n, bf16_output, out);
+  avx512_bf16_linear_into(x, packed, n, bf16_output, result);
   return result;
 }
 
@@ -184,6 +192,10 @@ torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tenso
 }
 
 #else
+
+void avx512_bf16_linear_into(const torch::Tensor&, const torch::Tensor&, int64_t, bool, const torch::Tensor&) {
+  TORCH_CHECK(false, "avx512_bf16_linear is in the avx512 build only (cpu_kernels.avx512_bf16_unavailable_reason)");
+}
 
 torch::Tensor avx512_bf16_linear(const torch::Tensor&, const torch::Tensor&, int64_t, bool,
                                  const c10::optional<torch::Tensor>&) {

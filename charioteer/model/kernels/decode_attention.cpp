@@ -9,8 +9,8 @@
 // request's long context spread over every thread: by (request, KV head) alone, SmolLM2's 3 KV heads
 // split 2:1 over 2 threads. Threads take items longest context first, one at a time (a static split of
 // a batch's mixed lengths left one thread idle for a sixth of the call; inside DecodeLayers' team each
-// thread takes an equal share of positions), and while an item sums its V rows, which are in L2 by then,
-// the thread prefetches the K rows of its next item, so its memory stream does not pause. A context's
+// thread takes an equal share of the query heads' positions, share_of_heads), and while an item sums its
+// V rows, which are in L2 by then, the thread prefetches the K rows of its next item, so its memory stream does not pause. A context's
 // chunks depend on its length alone, so which thread computes an item, and what else is in the batch,
 // does not change a result's bits.
 #include <torch/extension.h>
@@ -167,16 +167,29 @@ struct Chunked {
 
 int64_t chunks_of(int64_t length) { return (length + kChunk - 1) / kChunk; }
 
-// Items [first, last) of a team thread's share: the items that start in its equal share of the positions.
-std::pair<int64_t, int64_t> share_of_positions(const std::vector<Item>& items, const TeamShare& share) {
+// Query heads [h0, h1) of item `item`'s group: a team thread's part of an item.
+struct Run {
+  int64_t item, h0, h1;
+};
+
+// A team thread's runs: the query heads (of every item, each head's work its item's length) that start in its equal
+// share of the team's work. Where a request's KV heads are fewer than the threads' multiple (SmolLM2's 3 over 2
+// threads, a context of one chunk), whole items split 2:1 where heads split 5:4; a KV head's rows are read by
+// both threads where its heads are split between them.
+std::vector<Run> share_of_heads(const std::vector<Item>& items, int64_t group, const TeamShare& share) {
   int64_t total = 0;
-  for (const Item& it : items) total += it.length;
+  for (const Item& it : items) total += it.length * group;
   const int64_t from = total * share.first / share.size, to = total * share.last / share.size;
-  int64_t first = 0, at = 0;
-  for (; first < static_cast<int64_t>(items.size()) && at < from; ++first) at += items[first].length;
-  int64_t last = first;
-  for (; last < static_cast<int64_t>(items.size()) && at < to; ++last) at += items[last].length;
-  return {first, last};
+  std::vector<Run> runs;
+  int64_t at = 0;  // the work of the items before item i
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && at < to; ++i) {
+    const int64_t length = items[i].length;  // head j starts at at + j * length; the first at or past `from`, `to`:
+    const int64_t h0 = std::clamp<int64_t>((from - at + length - 1) / length, 0, group);
+    const int64_t h1 = std::clamp<int64_t>((to - at + length - 1) / length, 0, group);
+    if (h0 < h1) runs.push_back({i, h0, h1});
+    at += length * group;
+  }
+  return runs;
 }
 
 // Every item of the batch over caches of element type T, then the chunks of longer contexts combined.
@@ -218,18 +231,18 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   }
   float* stats = sums + parts * group * dim;
   const int64_t score_floats = std::min<int64_t>(group, kMaxGroup) * std::min(width, kChunk);
-  // item `i`, prefetching item `following`'s K rows (-1: none)
-  const auto attend_item = [&](int64_t i, int64_t following, float* scores) {
+  // query heads [h0, h1) of item `i`'s group, prefetching item `following`'s K rows (-1: none)
+  const auto attend_item = [&](int64_t i, int64_t h0, int64_t h1, int64_t following, float* scores) {
     NextRows<T> next;
     if (following >= 0) {
       const Item& f = items[following];
       next = {kp + f.g * dim, sp + f.d * width + f.start, f.length};
     }
     const Item& it = items[i];
-    float* out = it.part < 0 ? op + (it.d * heads + it.g * group) * dim : sums + it.part * group * dim;
-    fn(qp + it.d * q_rows + it.g * group * dim, dim, group, kp + it.g * dim, vp + it.g * dim, row_stride,
-       sp + it.d * width + it.start, it.length, scale, out, it.part < 0 ? nullptr : stats + it.part * group * 2,
-       scores, next);
+    float* out = (it.part < 0 ? op + (it.d * heads + it.g * group) * dim : sums + it.part * group * dim) + h0 * dim;
+    fn(qp + it.d * q_rows + (it.g * group + h0) * dim, dim, h1 - h0, kp + it.g * dim, vp + it.g * dim, row_stride,
+       sp + it.d * width + it.start, it.length, scale, out,
+       it.part < 0 ? nullptr : stats + (it.part * group + h0) * 2, scores, next);
   };
   const auto combine = [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
@@ -240,9 +253,10 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
   };
   const int64_t n = items.size();
   if (const TeamShare* share = team_share(); share != nullptr && team != nullptr) {  // this thread's share, in order
-    const auto [first, last] = share_of_positions(items, *share);
     std::vector<float> scores(score_floats);
-    for (int64_t i = first; i < last; ++i) attend_item(i, i + 1 < last ? i + 1 : -1, scores.data());
+    const auto runs = share_of_heads(items, group, *share);
+    for (size_t r = 0; r < runs.size(); ++r)
+      attend_item(runs[r].item, runs[r].h0, runs[r].h1, r + 1 < runs.size() ? runs[r + 1].item : -1, scores.data());
     if (chunked.empty()) return;
     team->meet(team->meeting);
     parallel_split(chunked.size(), combine);
@@ -253,7 +267,7 @@ void attend_all(const float* qp, int64_t q_rows, const T* kp, const T* vp, const
     std::vector<float> scores(score_floats);
     for (int64_t current = taken.fetch_add(1), following; current < n; current = following) {
       following = taken.fetch_add(1);
-      attend_item(current, following < n ? following : -1, scores.data());
+      attend_item(current, 0, group, following < n ? following : -1, scores.data());
     }
   });
   if (!chunked.empty()) at::parallel_for(0, chunked.size(), 1, combine);
@@ -320,12 +334,12 @@ void attend_caches(const torch::Tensor& q, const Caches& c, const torch::Tensor&
   TORCH_CHECK(c.dim == dim && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(slots.size(0) == decodes && lengths.size(0) == decodes, "one slot row and length per query");
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
-  const auto sc = slots.contiguous();
-  const auto lc = lengths.contiguous();
-  const int64_t width = sc.size(1);
-  const int64_t* len = lc.data_ptr<int64_t>();
+  const auto sc = slots.expect_contiguous();  // borrowed: no reference count written (DecodeLayers' team)
+  const auto lc = lengths.expect_contiguous();
+  const int64_t width = sc->size(1);
+  const int64_t* len = lc->data_ptr<int64_t>();
   for (int64_t d = 0; d < decodes; ++d) TORCH_CHECK(0 < len[d] && len[d] <= width, "length out of range");
-  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t* sp = sc->data_ptr<int64_t>();
   for (int64_t i = 0; i < decodes * width; ++i) TORCH_CHECK(0 <= sp[i] && sp[i] < c.slots, "slot out of range");
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -347,8 +361,8 @@ void store_caches(const Caches& c, const torch::Tensor& slot_mapping, const torc
   TORCH_CHECK(fp32_or_bf16(k) && fp32_or_bf16(v), "k and v must be fp32 or bf16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kLong &&
               slot_mapping.size(0) == k.size(0), "slot_mapping must be [T] int64");
-  const auto sm = slot_mapping.contiguous();
-  const int64_t* sp = sm.data_ptr<int64_t>();
+  const auto sm = slot_mapping.expect_contiguous();
+  const int64_t* sp = sm->data_ptr<int64_t>();
   const int64_t rows = k.size(0), row = k.size(1) * k.size(2);
   for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < c.slots, "slot out of range");
   const auto into = [&](auto* kc, auto* vc) {

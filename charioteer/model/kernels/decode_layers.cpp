@@ -9,6 +9,9 @@
 // tensor or view costs about half a microsecond there): one SmolLM2 stream ran 1.05-1.07x faster so.
 // And a small batch runs every layer in one parallel region, its threads meeting between the ops, where
 // each GEMM and the attention would start a region of their own (about 1.1 us each, 150 a SmolLM2 step).
+// Inside it the kernels' `_into` forms write the buffers with no tensor made or copied: a copy both threads
+// hold is an atomic write to one cache line that the other thread's reads then miss (4-6 % of SmolLM2's
+// GGUF layers in the caches went to such counts and misses, by perf).
 #include "kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -59,23 +62,33 @@ DecodeLayers::DecodeLayers(std::vector<torch::Tensor> attn_norm, std::vector<tor
               "four unpacked bf16 weights per layer, with native_rows > 0 and no int8 scales, or none");
 }
 
-torch::Tensor DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
-                                   int64_t n, const torch::Tensor& out) const {
-  if (panels.scalar_type() == torch::kByte) return gguf_linear(x, panels, n, vnni_, out);  // GGUF blocks (gguf_gemm)
+const torch::Tensor& DecodeLayers::linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer,
+                                          int64_t which, int64_t n, const torch::Tensor& out) {
+  torch::Tensor& made = buffers_.made[which];
+  if (panels.scalar_type() == torch::kByte) {  // GGUF blocks (gguf_gemm)
+    gguf_linear_into(x, panels, n, vnni_, out);
+    return out;
+  }
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: every path rounds input and product to bf16
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
     const auto bf16 = torch::kBFloat16;
-    const auto product = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(bf16), plain_[4 * layer + which])
-                         : panels.dim() != 4 ? panel_linear(x.to(bf16).to(torch::kFloat), panels, n).to(bf16)
-                         : amx_tiles_        ? amx_linear(x, panels, n, true)
-                                             : avx512_bf16_linear(x, panels, n, true, out);
-    return product;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
+    if (x.size(0) < native_rows_ && panels.dim() == 4 && !amx_tiles_) {
+      avx512_bf16_linear_into(x, panels, n, true, out);
+      return out;
+    }
+    made = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(bf16), plain_[4 * layer + which])
+           : panels.dim() != 4       ? panel_linear(x.to(bf16).to(torch::kFloat), panels, n).to(bf16)
+                                     : amx_linear(x, panels, n, true);
+    return made;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
-  if (int8_tiles(x.size(0)))  // int8 panels widened to bf16
-    return amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
+  if (int8_tiles(x.size(0))) {  // int8 panels widened to bf16
+    made = amx_tiles_ ? amx_linear_int8(x, panels, n, *scale(layer, which))
                       : avx512_bf16_linear_int8(x, panels, n, *scale(layer, which));
-  if (vnni_ && panels.scalar_type() == torch::kChar) return vnni_linear_int8(x, panels, n, *scale(layer, which), out);
-  return panel_linear(x, panels, n, scale(layer, which), out);  // fp32 or bf16 panels: also a GGUF file's other kinds
+    return made;
+  }
+  if (vnni_ && panels.scalar_type() == torch::kChar) vnni_linear_int8_into(x, panels, n, *scale(layer, which), out);
+  else panel_linear_into(x, panels, n, scale(layer, which), out);  // fp32 or bf16 panels: also a GGUF file's other kinds
+  return out;
 }
 
 bool DecodeLayers::int8_tiles(int64_t rows) const {
@@ -87,9 +100,8 @@ bool DecodeLayers::writes_buffers(int64_t rows) const {
   return rows < native_rows_ && qkv_[0].dim() == 4 && !amx_tiles_;  // avx512_bf16_linear
 }
 
-c10::optional<torch::Tensor> DecodeLayers::scale(int64_t layer, int64_t which) const {
-  if (scales_.empty()) return c10::nullopt;
-  return scales_[4 * layer + which];
+const torch::Tensor* DecodeLayers::scale(int64_t layer, int64_t which) const {
+  return scales_.empty() ? nullptr : &scales_[4 * layer + which];
 }
 
 void DecodeLayers::keep_buffers(int64_t rows, int64_t hidden, const torch::TensorOptions& options) {
@@ -159,39 +171,40 @@ const TeamShare* team_share() { return current_share; }
 template <typename Meet>
 void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet) {
   Buffers& b = buffers_;
-  torch::Tensor x = in.x;
+  torch::Tensor& x = in.x;
   const int64_t rows = x.size(0), hidden = x.size(1), qkv_heads = heads_ + 2 * kv_heads_;
   const bool bf16_norm = !plain_.empty();  // under native bf16 GEMMs the norms round to bf16, as the GEMMs would
-  const auto fused = linear(l == 0 ? in.h : b.h, qkv_[l], l, 0, qkv_heads * head_dim_, b.fused);
+  const bool team = team_share() != nullptr;
+  const auto& fused = linear(l == 0 ? in.h : b.h, qkv_[l], l, 0, qkv_heads * head_dim_, b.fused);
   meet();
-  if (lead) {
-    auto to_rotate = b.to_rotate, v = b.v;
-    if (!fused.is_same(b.fused)) {  // a kernel's new tensor (no out-variant): views of its own
-      const auto heads = fused.view({rows, qkv_heads, head_dim_});
-      to_rotate = heads.narrow(1, 0, heads_ + kv_heads_);
-      v = heads.narrow(1, heads_ + kv_heads_, kv_heads_);
+  if (fused.is_same(b.fused)) {
+    if (lead) {
+      rope_into(b.to_rotate, in.cos, in.signed_sin, b.rotated);  // Q and K: b.q and b.k
+      store_kv_layer(in.kv, l, in.slot_mapping, b.k, b.v);
     }
-    rope(to_rotate, in.cos, in.signed_sin, b.rotated);  // Q and K, rotated: b.q and b.k
-    store_kv_layer(in.kv, l, in.slot_mapping, b.k, v);
+  } else {  // a kernel's new tensor (no out-variant, no team): views of its own
+    const auto heads = fused.view({rows, qkv_heads, head_dim_});
+    rope_into(heads.narrow(1, 0, heads_ + kv_heads_), in.cos, in.signed_sin, b.rotated);
+    store_kv_layer(in.kv, l, in.slot_mapping, b.k, heads.narrow(1, heads_ + kv_heads_, kv_heads_));
   }
   meet();
-  if (team_share() != nullptr) {
-    const DecodeTeam team{[](const void* m) { (*static_cast<const Meet*>(m))(); }, &meet, b.room.data_ptr<float>(),
-                          b.room.numel()};
-    decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn, &team);
+  if (team) {
+    const DecodeTeam shared{[](const void* m) { (*static_cast<const Meet*>(m))(); }, &meet, b.room.data_ptr<float>(),
+                            b.room.numel()};
+    decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn, &shared);
   } else {
     decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn);
   }
   meet();
-  const auto o = linear(b.attn_rows, o_[l], l, 1, hidden, b.o);
+  const auto& o = linear(b.attn_rows, o_[l], l, 1, hidden, b.o);
   meet();
   if (lead) add_rms_norm_(x, o, ffn_norm_[l], eps_, bf16_norm, b.h);
   meet();
-  const auto gate_up = linear(b.h, gate_up_[l], l, kGateUp, 2 * intermediate_, b.gate_up);
+  const auto& gate_up = linear(b.h, gate_up_[l], l, kGateUp, 2 * intermediate_, b.gate_up);
   meet();
-  if (lead) silu_mul(gate_up, b.act);
+  silu_mul_into(gate_up, b.act);  // in a team, each thread's part of the columns
   meet();
-  const auto ffn = linear(b.act, down_[l], l, 3, hidden, b.ffn);
+  const auto& ffn = linear(b.act, down_[l], l, 3, hidden, b.ffn);
   meet();
   if (lead && l + 1 < static_cast<int64_t>(attn_norm_.size())) {
     add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_, bf16_norm, b.h);

@@ -332,8 +332,8 @@ const FormKernels* form_of(const torch::Tensor& packed) {
 
 }  // namespace
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
-                          const c10::optional<torch::Tensor>& out) {
+void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
+                      const torch::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "gguf_linear: x must be fp32 [M, K] with contiguous rows");
   const FormKernels* form = form_of(packed);
@@ -347,8 +347,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 #if !defined(__AVX512F__)
   TORCH_CHECK(!vnni, "gguf_linear: vnni is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
 #endif
-  auto y = output_or_new("gguf_linear", out, {m, n}, x.options(), x, packed);
-  if (m == 0) return y;
+  check_out("gguf_linear", y, {m, n}, x.options());
+  check_apart("gguf_linear", y, x);
+  check_apart("gguf_linear", y, packed);
+  if (m == 0) return;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = form->quads ? k / 4 : k / 2;  // int32 a row of x: int8 quads or int16 pairs
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, blocks * offsets);
@@ -372,5 +374,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       }
     }
   });
+}
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
+                          const c10::optional<torch::Tensor>& out) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be fp32 [M, K] with contiguous rows");
+  auto y = out.has_value() ? *out : torch::empty({x.size(0), std::max<int64_t>(n, 0)}, x.options());  // n checked next
+  gguf_linear_into(x, packed, n, vnni, y);
   return y;
 }

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <utility>
 #include <vector>
 
 // The AVX-512 kernels that stream a weight from memory with no other prefetching (GGUF blocks, int8
@@ -24,6 +25,8 @@ struct TeamShare {
 };
 const TeamShare* team_share();
 // fn(first, last) over [0, n): this thread's share inside a team, else split over the threads by at::parallel_for.
+// (Shrinking ranges taken from a count shared by the team, to even out the threads' finishes, made SmolLM2's GGUF
+// layers from memory 1.3x slower: BENCHMARKS.md.)
 template <typename F>
 void parallel_split(int64_t n, const F& fn) {
   if (const TeamShare* share = team_share()) {
@@ -32,6 +35,19 @@ void parallel_split(int64_t n, const F& fn) {
     return;
   }
   at::parallel_for(0, n, 1, fn);
+}
+// [first, last) of n: this thread's equal part inside a team, else all of it (a row op's elements).
+inline std::pair<int64_t, int64_t> team_part(int64_t n) {
+  const TeamShare* share = team_share();
+  if (share == nullptr) return {0, n};
+  return {n * share->first / share->size, n * share->last / share->size};
+}
+
+// x itself where its rows are contiguous (they may be strided), else a contiguous copy: borrowed, so that no
+// reference count is written (inside DecodeLayers' team every thread would write the same one).
+inline c10::MaybeOwned<torch::Tensor> with_rows(const torch::Tensor& x) {
+  return x.stride(-1) == 1 ? c10::MaybeOwned<torch::Tensor>::borrowed(x)
+                           : c10::MaybeOwned<torch::Tensor>::owned(x.contiguous());
 }
 
 inline bool fp32_or_bf16(const torch::Tensor& t) {
@@ -59,6 +75,15 @@ int64_t panel_row_block();  // rows the panel GEMM's microkernel computes at onc
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                            const c10::optional<torch::Tensor>& scale = c10::nullopt,
                            const c10::optional<torch::Tensor>& out = c10::nullopt);
+// The GEMMs into a given y (checked as output_or_new checks it; `scale` nullptr for none), the form DecodeLayers calls:
+// with no tensor made or copied, its team's threads write no reference count that they share.
+void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor* scale,
+                       const torch::Tensor& y);
+void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni, const torch::Tensor& y);
+void vnni_linear_int8_into(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale,
+                          const torch::Tensor& y);
+void avx512_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                             const torch::Tensor& y);
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& slots, const torch::Tensor& lengths, double scale, torch::Tensor& out);  // caches fp32 or bf16
 void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
@@ -90,6 +115,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                    const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& out = c10::nullopt);
+// rope and silu_mul into a given out (checked as output_or_new checks it), the form DecodeLayers calls: with no tensor
+// made or copied, its team's threads write no reference count that they share. Inside the team, silu_mul computes
+// this thread's part of the columns.
+void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+               const torch::Tensor& out);
+void silu_mul_into(const torch::Tensor& gate_up, const torch::Tensor& out);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // AMX tile GEMM (amx_gemm.cpp): only where the CPU has AMX-BF16, and after amx_ready().
@@ -102,7 +133,9 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
 // x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
 // The checks of the tile-order GEMMs (`name`: amx_linear or avx512_bf16_linear) on x [M, K] (fp32, rounded to bf16 to
-// nearest even, or bf16) and a weight packed by amx_pack; returns their output [M, n], fp32 or bf16 (output_or_new).
+// nearest even, or bf16) and a weight packed by amx_pack; tile_gemm_output also returns their output [M, n], fp32 or
+// bf16 (output_or_new).
+void check_tile_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                                bool bf16_output, const c10::optional<torch::Tensor>& out = c10::nullopt);
 // The same product as amx_linear, on the same packed weight, with AVX512-BF16's vdpbf16ps instead of tiles
@@ -211,11 +244,12 @@ class DecodeLayers {
     torch::Tensor fused, to_rotate, v, rotated, q, k, attn, attn_rows, o, h, gate_up, act, ffn;
     torch::Tensor x, first_h, cos, signed_sin;
     torch::Tensor room;  // decode attention's, for contexts of several chunks (grown by run)
+    torch::Tensor made[4];  // the last product of each GEMM of a layer where the kernel makes a new tensor
   };
   void keep_buffers(int64_t rows, int64_t hidden, const torch::TensorOptions& options);
   struct Step {  // run's arguments
-    torch::Tensor x, h;
-    const torch::Tensor &kv, &cos, &signed_sin, &slot_mapping, &slots, &lengths;
+    torch::Tensor& x;
+    const torch::Tensor &h, &kv, &cos, &signed_sin, &slot_mapping, &slots, &lengths;
   };
   // Layer l: its GEMMs and attention on this thread's share (team_share) or every thread, its row ops where
   // `lead`; meet() between them (waits for the other threads of a team, or nothing).
@@ -225,10 +259,11 @@ class DecodeLayers {
   // Whether every GEMM of a batch of `rows` writes into its buffer, on a kernel that takes a team's share: the batches
   // that may run in one region (AMX tiles and oneDNN's GEMMs start their own).
   bool writes_buffers(int64_t rows) const;
-  c10::optional<torch::Tensor> scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down
-  // Writes into `out` (fp32, or bf16 with `plain`) where the kernel has an out-variant, else returns a new tensor.
-  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which, int64_t n,
-                       const torch::Tensor& out) const;
+  const torch::Tensor* scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down; or none
+  // Writes into `out` (fp32, or bf16 with `plain`) and returns it where the kernel has an out-variant (a team's
+  // batches), else returns the kernel's new tensor, kept in buffers_.made.
+  const torch::Tensor& linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t layer, int64_t which,
+                              int64_t n, const torch::Tensor& out);
 
   Buffers buffers_;
 

@@ -126,30 +126,41 @@ void panel_gemm(const float* xs, int64_t ldx, int64_t rows, const W* w, int64_t 
 int64_t panel_width() { return kPanel; }
 int64_t panel_row_block() { return kRowBlock; }
 
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                           const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& out) {
+namespace {
+
+void check_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor* scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be a 2-D fp32 CPU tensor");
   const auto type = panels.scalar_type();
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
               (type == torch::kFloat || type == torch::kBFloat16 || type == torch::kChar),
               "panels must be fp32, bf16 or int8, packed into ", kPanel, "-column panels for this build (cpu_kernels.pack)");
-  const int64_t rows = x.size(0), k_dim = x.size(1), num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == k_dim, "x has ", k_dim, " columns, the weight ", panels.size(1));
-  TORCH_CHECK(0 < n && n <= num_panels * kPanel, "n out of range");
-  TORCH_CHECK((type == torch::kChar) == scale.has_value(), "int8 panels take one fp32 scale per output column, others none");
-  if (scale.has_value())
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the weight ", panels.size(1));
+  TORCH_CHECK(0 < n && n <= panels.size(0) * kPanel, "n out of range");
+  TORCH_CHECK((type == torch::kChar) == (scale != nullptr), "int8 panels take one fp32 scale per output column, others none");
+  if (scale != nullptr)
     TORCH_CHECK(scale->dim() == 1 && scale->size(0) == n && scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
                 "scale must be a contiguous fp32 vector of the n = ", n, " output columns' scales");
-  auto y = output_or_new("panel_linear", out, {rows, n}, x.options(), x, panels);
-  if (rows == 0) return y;
+}
+
+}  // namespace
+
+void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor* scale,
+                       const torch::Tensor& y) {
+  check_panels(x, panels, n, scale);
+  const int64_t rows = x.size(0), k_dim = x.size(1), num_panels = panels.size(0);
+  check_out("panel_linear", y, {rows, n}, x.options());
+  check_apart("panel_linear", y, x);
+  check_apart("panel_linear", y, panels);
+  if (rows == 0) return;
   // x is read in place (its rows may be strided): a K slice of a row block is at most 4 KB, which stays in L1
   // beside the panel slice. Copying x into a broadcast-friendly layout first cost about 1 ns an
   // element on one thread, 1.6 ms of a 16-row SmolLM2 decode step.
-  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
-  const float* xs = xc.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
+  const auto xc = with_rows(x);
+  const float* xs = xc->data_ptr<float>();
+  const int64_t ldx = xc->stride(0);
   float* yp = y.data_ptr<float>();
-  const float* scales = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  const float* scales = scale != nullptr ? scale->data_ptr<float>() : nullptr;
+  const auto type = panels.scalar_type();
   if (type == torch::kFloat) {
     panel_gemm(xs, ldx, rows, panels.data_ptr<float>(), k_dim, num_panels, nullptr, yp, n);
   } else if (type == torch::kBFloat16) {
@@ -157,5 +168,13 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   } else {
     panel_gemm(xs, ldx, rows, panels.data_ptr<int8_t>(), k_dim, num_panels, scales, yp, n);
   }
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                           const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& out) {
+  const torch::Tensor* scales = scale.has_value() ? &*scale : nullptr;
+  check_panels(x, panels, n, scales);
+  auto y = out.has_value() ? *out : torch::empty({x.size(0), n}, x.options());
+  panel_linear_into(x, panels, n, scales, y);
   return y;
 }

@@ -14,6 +14,18 @@ namespace {
 
 constexpr int64_t kGrainRows = 8;
 
+// fn(r0, r1, u0, u1) over rows [0, rows) by units [0, units) of each: inside DecodeLayers' team, every row's part of
+// the units that this thread holds (the team's rows are few); else the rows split over the threads, all units each.
+template <typename F>
+void rows_by_part(int64_t rows, int64_t units, const F& fn) {
+  if (team_share() != nullptr) {
+    const auto [first, last] = team_part(units);
+    if (first < last) fn(0, rows, first, last);
+    return;
+  }
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t r0, int64_t r1) { fn(r0, r1, 0, units); });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.stride(1) == 1, name,
               " must be a 2-D fp32 tensor with contiguous rows");
@@ -149,21 +161,26 @@ void rope_rows(const T* xp, int64_t xs, const float* cp, int64_t cs, const float
   });
 }
 
+void check_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+              x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, dim] fp32 or bf16 with contiguous heads");
+  check_rows(cos, "cos");
+  check_rows(signed_sin, "signed_sin");
+  TORCH_CHECK(x.size(2) % 32 == 0 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+              signed_sin.sizes() == cos.sizes(), "rope needs head_dim a multiple of 32 and one cos/sin row per token");
+}
+
 }  // namespace
 
 // x [T, heads, dim] (rows may be strided; fp32, or bf16 widened exactly) -> x * cos + roll(x, dim/2) *
 // signed_sin in fp32, with cos and signed_sin [T, dim]: the same three roundings as the op-by-op
 // formula on fp32 x (no fused multiply-add), so the result is bitwise the formula's.
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                   const c10::optional<torch::Tensor>& given) {
-  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
-              x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, dim] fp32 or bf16 with contiguous heads");
-  check_rows(cos, "cos");
-  check_rows(signed_sin, "signed_sin");
+void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+               const torch::Tensor& out) {
+  check_rope(x, cos, signed_sin);
+  check_out("rope", out, {x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat));
+  check_apart("rope", out, x);
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
-  TORCH_CHECK(dim % 32 == 0 && cos.size(0) == rows && cos.size(1) == dim && signed_sin.sizes() == cos.sizes(),
-              "rope needs head_dim a multiple of 32 and one cos/sin row per token");
-  auto out = output_or_new("rope", given, {rows, heads, dim}, x.options().dtype(torch::kFloat), x, cos, signed_sin);
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -172,6 +189,13 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   } else {
     rope_rows(row_data<const float>(x), x.stride(0), cp, cos.stride(0), sp, signed_sin.stride(0), op, rows, heads, dim);
   }
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                   const c10::optional<torch::Tensor>& given) {
+  check_rope(x, cos, signed_sin);
+  auto out = given.has_value() ? *given : torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat));
+  rope_into(x, cos, signed_sin, out);
   return out;
 }
 
@@ -182,49 +206,53 @@ inline Vec silu_times(Vec gate, Vec up) {
   return vmul(vdiv(gate, vadd(vset1(1.f), exp_ps(vsub(vzero(), gate)))), up);
 }
 
-// bf16 in, bf16 out, computed in fp32 between: what the fp32 kernel gives on the widened input,
-// rounded as torch rounds (NaN to 0xFFFF), bit for bit, without the widened copies (widened bf16's
-// GEMMs give and take bf16).
-void silu_mul_bf16(const torch::Tensor& gate_up, torch::Tensor& out) {
-  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const uint16_t* g = gp + r * gs;
-      uint16_t* o = op + r * inner;
-      for (int64_t c = 0; c < inner; c += kLanes) {  // a partial last vector widened and stored lane by lane
-        const int64_t n = inner - c;
-        vstore_bf16_n(o + c, silu_times(vload_bf16_n(g + c, n), vload_bf16_n(g + inner + c, n)), n);
+// silu(gate) * up row by row, `load` giving fp32 vectors and `store` taking them; inside DecodeLayers' team, this
+// thread's part of the columns (in whole vectors).
+template <typename T, typename Load, typename Store>
+void silu_mul_rows(const T* gp, int64_t gs, T* op, int64_t rows, int64_t inner, const Load& load, const Store& store) {
+  rows_by_part(rows, (inner + kLanes - 1) / kLanes, [&](int64_t r0, int64_t r1, int64_t v0, int64_t v1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gp + r * gs;
+      for (int64_t c = v0 * kLanes; c < std::min(inner, v1 * kLanes); c += kLanes) {
+        const int64_t n = inner - c;  // a partial last vector loaded and stored lane by lane
+        store(op + r * inner + c, silu_times(load(g + c, n), load(g + inner + c, n)), n);
       }
     }
   });
 }
 
-}  // namespace
-
-// silu(gate) * up of a fused [rows, 2 * inner] projection, in its dtype (fp32 or bf16).
-torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& given) {
+void check_gate_up(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
               (gate_up.scalar_type() == torch::kFloat || gate_up.scalar_type() == torch::kBFloat16),
               "gate_up must be a 2-D fp32 or bf16 tensor with contiguous rows");
-  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width");
-  auto out = output_or_new("silu_mul", given, {rows, inner}, gate_up.options(), gate_up);
+}
+
+}  // namespace
+
+// bf16 in, bf16 out, computed in fp32 between: what the fp32 kernel gives on the widened input, rounded as torch
+// rounds (NaN to 0xFFFF), bit for bit, without the widened copies (widened bf16's GEMMs give and take bf16).
+void silu_mul_into(const torch::Tensor& gate_up, const torch::Tensor& out) {
+  check_gate_up(gate_up);
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  check_out("silu_mul", out, {rows, inner}, gate_up.options());
+  check_apart("silu_mul", out, gate_up);
   if (gate_up.scalar_type() == torch::kBFloat16) {
-    silu_mul_bf16(gate_up, out);
-    return out;
+    silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gs, reinterpret_cast<uint16_t*>(out.data_ptr()),
+                  rows, inner, [](const uint16_t* p, int64_t n) { return vload_bf16_n(p, n); },
+                  [](uint16_t* p, Vec v, int64_t n) { vstore_bf16_n(p, v, n); });
+  } else {
+    silu_mul_rows(gate_up.data_ptr<float>(), gs, out.data_ptr<float>(), rows, inner,
+                  [](const float* p, int64_t n) { return vload_n(p, n); },
+                  [](float* p, Vec v, int64_t n) { vstore_n(p, v, n); });
   }
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t gs = gate_up.stride(0);
-  at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const float* g = gp + r * gs;
-      for (int64_t c = 0; c < inner; c += kLanes)
-        vstore_n(op + r * inner + c, silu_times(vload_n(g + c, inner - c), vload_n(g + inner + c, inner - c)), inner - c);
-    }
-  });
+}
+
+// silu(gate) * up of a fused [rows, 2 * inner] projection, in its dtype (fp32 or bf16).
+torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& given) {
+  check_gate_up(gate_up);
+  auto out = given.has_value() ? *given : torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_into(gate_up, out);
   return out;
 }
 

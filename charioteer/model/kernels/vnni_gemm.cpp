@@ -44,14 +44,23 @@ inline float largest_magnitude(const float* x, int64_t n) {
 }
 
 // q[i] = x[i] * inv rounded to the nearest integer (ties to even, as nearbyint) and held to +-limit (32767 for
-// int16 q, 127 for int8), in vectors.
+// int16 q, 127 for int8), in vectors; with `sums`, sums[h] = the sum of q over values [h * part, (h + 1) * part)
+// (part a multiple of kLanes) times `scale`. The rounded values are whole numbers in fp32, and a part's sum of at
+// most 32 of them is below 2^24, so it is summed exactly in the vectors: the integer sum's float.
 template <typename Q>
-inline void quantize_values(const float* x, int64_t n, float inv, Q* q) {
+inline void quantize_values(const float* x, int64_t n, float inv, Q* q, float* sums = nullptr, int64_t part = 1,
+                            float scale = 0.f) {
   constexpr float limit = std::is_same_v<Q, int16_t> ? 32767.f : 127.f;
   const Vec times = vset1(inv), low = vset1(-limit), high = vset1(limit);
+  Vec total = vzero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const Vec v = vmin(vmax(vround(vmul(vload(x + i), times)), low), high);
+    total = vadd(total, v);
+    if (sums != nullptr && (i + kLanes) % part == 0) {
+      sums[i / part] = vsum(total) * scale;
+      total = vzero();
+    }
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<Q, int16_t>)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
@@ -64,21 +73,19 @@ inline void quantize_values(const float* x, int64_t n, float inv, Q* q) {
     else _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
 #endif
   }
-  for (; i < n; ++i) q[i] = static_cast<Q>(std::clamp(std::nearbyint(x[i] * inv), -limit, limit));
+  float rest = sums != nullptr ? vsum(total) : 0.f;  // a part cut short by n (whole numbers, exact)
+  for (; i < n; ++i) {
+    q[i] = static_cast<Q>(std::clamp(std::nearbyint(x[i] * inv), -limit, limit));
+    rest += q[i];
+  }
+  if (sums != nullptr && n % part != 0) sums[n / part] = rest * scale;
 }
 
-template <typename Q>
-inline int32_t sum_of(const Q* q, int64_t n) {
-  int32_t sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += q[i];
-  return sum;
-}
-
-// The sum of a quantized row's values [k0, k1) (int16, or int8 with `bytes`), times its block's scale.
-inline float quantized_sum(const int32_t* row, bool bytes, int64_t k0, int64_t k1, float scale) {
-  const int32_t sum = bytes ? sum_of(reinterpret_cast<const int8_t*>(row) + k0, k1 - k0)
-                            : sum_of(reinterpret_cast<const int16_t*>(row) + k0, k1 - k0);
-  return static_cast<float>(sum) * scale;
+// quantize_values on a row's int16 pairs or int8 quads (`bytes`), from value k0.
+inline void quantize_any(const float* x, int64_t n, float inv, int32_t* row, int64_t k0, bool bytes,
+                         float* sums = nullptr, int64_t part = 1, float scale = 0.f) {
+  if (bytes) quantize_values(x, n, inv, reinterpret_cast<int8_t*>(row) + k0, sums, part, scale);
+  else quantize_values(x, n, inv, reinterpret_cast<int16_t*>(row) + k0, sums, part, scale);
 }
 
 }  // namespace
@@ -106,7 +113,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t bl
   const int64_t width = bytes ? 4 : 2, stride = (k + width - 1) / width, part = block / sum_parts;
   const int64_t blocks = (k + block - 1) / block;
   const float levels = bytes ? 127.f : 32767.f;
-  TORCH_CHECK(sum_parts > 0 && block % sum_parts == 0, "quantize_rows: a block splits into equal sum parts");
+  TORCH_CHECK(sum_parts > 0 && block % sum_parts == 0 && (!sums || part % kLanes == 0),
+              "quantize_rows: a block splits into equal sum parts of whole vectors");
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * ldx;
@@ -117,11 +125,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t bl
         const float inv = top > 0.f ? levels / top : 0.f, scale = top / levels;
         scales[r * blocks + b] = scale;
         int32_t* quantized = pairs + r * stride;
-        if (bytes) quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int8_t*>(quantized) + k0);
-        else quantize_values(row + k0, k1 - k0, inv, reinterpret_cast<int16_t*>(quantized) + k0);
-        for (int64_t h = 0; sums && h < sum_parts; ++h)
-          sums[(r * blocks + b) * sum_parts + h] =
-              quantized_sum(quantized, bytes, k0 + h * part, std::min(k1, k0 + (h + 1) * part), scale);
+        float* block_sums = sums ? sums + (r * blocks + b) * sum_parts : nullptr;
+        quantize_any(row + k0, k1 - k0, inv, quantized, k0, bytes, block_sums, part, scale);
       }
     }
   });
@@ -196,19 +201,20 @@ constexpr auto kPanelRows = panel_rows_by_count(std::make_integer_sequence<int, 
 
 }  // namespace
 
-torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                               const torch::Tensor& scale, const c10::optional<torch::Tensor>& out) {
+void vnni_linear_int8_into(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale,
+                          const torch::Tensor& y) {
   check_int8_panels("vnni_linear_int8", x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
-  auto y = output_or_new("vnni_linear_int8", out, {m, n}, x.options(), x, panels, scale);
-  if (m == 0) return y;
+  check_out("vnni_linear_int8", y, {m, n}, x.options());
+  for (const torch::Tensor* input : {&x, &panels, &scale}) check_apart("vnni_linear_int8", y, *input);
+  if (m == 0) return;
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, 0);
-  const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
-  quantize_rows(xc.data_ptr<float>(), xc.stride(0), m, k, kBlockK, quantized.pairs, quantized.scales, nullptr);
-  const auto sc = scale.contiguous();
+  const auto xc = with_rows(x);
+  quantize_rows(xc->data_ptr<float>(), xc->stride(0), m, k, kBlockK, quantized.pairs, quantized.scales, nullptr);
+  const auto sc = scale.expect_contiguous();
   const int32_t* pp = quantized.pairs;
   const float* xs = quantized.scales;
-  const float* ws = sc.data_ptr<float>();
+  const float* ws = sc->data_ptr<float>();
   const auto* w = panels.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   parallel_split(panels.size(0), [&](int64_t first, int64_t last) {
@@ -221,10 +227,22 @@ torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& pane
       }
     }
   });
+}
+
+torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                               const torch::Tensor& scale, const c10::optional<torch::Tensor>& out) {
+  check_int8_panels("vnni_linear_int8", x, panels, n, scale);
+  auto y = out.has_value() ? *out : torch::empty({x.size(0), n}, x.options());
+  vnni_linear_int8_into(x, panels, n, scale, y);
   return y;
 }
 
 #else
+
+void vnni_linear_int8_into(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&,
+                          const torch::Tensor&) {
+  TORCH_CHECK(false, "vnni_linear_int8 is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
+}
 
 torch::Tensor vnni_linear_int8(const torch::Tensor&, const torch::Tensor&, int64_t, const torch::Tensor&,
                                const c10::optional<torch::Tensor>&) {
