@@ -126,6 +126,8 @@ void DecodeLayers::keep_buffers(int64_t rows, int64_t hidden, const torch::Tenso
   b.act = torch::empty({rows, intermediate_}, products);
   b.ffn = torch::empty({rows, hidden}, products);
   b.x = torch::empty({rows, hidden}, fp32);
+  b.sum = torch::empty({rows, hidden}, fp32);
+  b.own_h.clear();
   b.first_h = torch::empty({rows, hidden}, fp32);
   b.cos = torch::empty({rows, head_dim_}, fp32);
   b.signed_sin = torch::empty({rows, head_dim_}, fp32);
@@ -168,14 +170,34 @@ constexpr int64_t kTeamRows = 8;
 
 const TeamShare* team_share() { return current_share; }
 
+namespace {
+
+// x = sum + delta (delta fp32 or bf16, widened exactly): x.add_'s bits; in a team, this thread's part of the columns.
+void add_into(const torch::Tensor& sum, const torch::Tensor& delta, torch::Tensor& x) {
+  const int64_t rows = x.size(0), cols = x.size(1), ds = delta.stride(0), xs = x.stride(0);
+  const auto [first, last] = team_part(cols);
+  const float* sp = sum.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const auto add = [&](const auto* dp) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = first; c < last; ++c) xp[r * xs + c] = sp[r * cols + c] + static_cast<float>(dp[r * ds + c]);
+  };
+  if (delta.scalar_type() == torch::kFloat) add(delta.data_ptr<float>());
+  else add(delta.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
 template <typename Meet>
 void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet) {
   Buffers& b = buffers_;
   torch::Tensor& x = in.x;
   const int64_t rows = x.size(0), hidden = x.size(1), qkv_heads = heads_ + 2 * kv_heads_;
   const bool bf16_norm = !plain_.empty();  // under native bf16 GEMMs the norms round to bf16, as the GEMMs would
-  const bool team = team_share() != nullptr;
-  const auto& fused = linear(l == 0 ? in.h : b.h, qkv_[l], l, 0, qkv_heads * head_dim_, b.fused);
+  const TeamShare* share = team_share();
+  // the norms' output: in a team each thread writes the whole of its own, so no meeting follows them
+  const torch::Tensor& h = share != nullptr ? b.own_h[share->first] : b.h;
+  const auto& fused = linear(l == 0 ? in.h : h, qkv_[l], l, 0, qkv_heads * head_dim_, b.fused);
   meet();
   if (fused.is_same(b.fused)) {
     if (lead) {
@@ -188,7 +210,7 @@ void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet)
     store_kv_layer(in.kv, l, in.slot_mapping, b.k, heads.narrow(1, heads_ + kv_heads_, kv_heads_));
   }
   meet();
-  if (team) {
+  if (share != nullptr) {
     const DecodeTeam shared{[](const void* m) { (*static_cast<const Meet*>(m))(); }, &meet, b.room.data_ptr<float>(),
                             b.room.numel()};
     decode_attention_layer(b.q, in.kv, l, in.slots, in.lengths, scale_, b.attn, &shared);
@@ -198,20 +220,18 @@ void DecodeLayers::layer(int64_t l, const Step& in, bool lead, const Meet& meet)
   meet();
   const auto& o = linear(b.attn_rows, o_[l], l, 1, hidden, b.o);
   meet();
-  if (lead) add_rms_norm_(x, o, ffn_norm_[l], eps_, bf16_norm, b.h);
-  meet();
-  const auto& gate_up = linear(b.h, gate_up_[l], l, kGateUp, 2 * intermediate_, b.gate_up);
+  add_rms_norm_into(x, o, ffn_norm_[l], eps_, bf16_norm, b.sum, h);  // b.sum = x + o, in a team by parts
+  const auto& gate_up = linear(h, gate_up_[l], l, kGateUp, 2 * intermediate_, b.gate_up);
   meet();
   silu_mul_into(gate_up, b.act);  // in a team, each thread's part of the columns
   meet();
   const auto& ffn = linear(b.act, down_[l], l, 3, hidden, b.ffn);
   meet();
-  if (lead && l + 1 < static_cast<int64_t>(attn_norm_.size())) {
-    add_rms_norm_(x, ffn, attn_norm_[l + 1], eps_, bf16_norm, b.h);
-  } else if (lead) {
-    x.add_(ffn);
+  if (l + 1 < static_cast<int64_t>(attn_norm_.size())) {
+    add_rms_norm_into(b.sum, ffn, attn_norm_[l + 1], eps_, bf16_norm, x, h);  // x = b.sum + ffn
+  } else {
+    add_into(b.sum, ffn, x);
   }
-  meet();
 }
 
 torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::Tensor& kv, const torch::Tensor& cos,
@@ -227,7 +247,12 @@ torch::Tensor DecodeLayers::run(torch::Tensor x, torch::Tensor h, const torch::T
     for (int64_t l = 0; l < layers; ++l) layer(l, step, true, [] {});
     return x;
   }
-  // the team's shared room for decode attention's chunks (called op by op, it keeps its own)
+  // each thread's own norm output, and the team's shared room for decode attention's chunks (called op by op, it
+  // keeps its own)
+  if (static_cast<int64_t>(buffers_.own_h.size()) != threads) {
+    buffers_.own_h.clear();
+    for (int64_t t = 0; t < threads; ++t) buffers_.own_h.push_back(torch::empty_like(buffers_.h));
+  }
   const int64_t room = decode_attention_room(lengths, heads_, head_dim_);
   if (!buffers_.room.defined() || buffers_.room.numel() < room)
     buffers_.room = torch::empty({std::max<int64_t>(room, 1)}, x.options().dtype(torch::kFloat));

@@ -110,6 +110,10 @@ void store_kv_layer(const torch::Tensor& kv, int64_t layer, const torch::Tensor&
 // delta fp32 or bf16; the norm fp32, or bf16 with bf16_out (rope and store_kv also take bf16 rows).
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                             bool bf16_out = false, const c10::optional<torch::Tensor>& out = c10::nullopt);
+// sum = x + delta (contiguous, apart from x) and out = its norm, add_rms_norm_'s bits: inside DecodeLayers' team each
+// thread stores its part of the sum's columns and the whole norm into its own out (no meeting after it).
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                       bool bf16_out, const torch::Tensor& sum, const torch::Tensor& out);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        const c10::optional<torch::Tensor>& out = c10::nullopt);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
@@ -243,6 +247,8 @@ class DecodeLayers {
     int64_t rows = -1;
     torch::Tensor fused, to_rotate, v, rotated, q, k, attn, attn_rows, o, h, gate_up, act, ffn;
     torch::Tensor x, first_h, cos, signed_sin;
+    torch::Tensor sum;  // x + o within a layer (x + ffn goes back to x)
+    std::vector<torch::Tensor> own_h;  // in a team, each thread's own norm output (by its first worker)
     torch::Tensor room;  // decode attention's, for contexts of several chunks (grown by run)
     torch::Tensor made[4];  // the last product of each GEMM of a layer where the kernel makes a new tensor
   };
@@ -251,8 +257,8 @@ class DecodeLayers {
     torch::Tensor& x;
     const torch::Tensor &h, &kv, &cos, &signed_sin, &slot_mapping, &slots, &lengths;
   };
-  // Layer l: its GEMMs and attention on this thread's share (team_share) or every thread, its row ops where
-  // `lead`; meet() between them (waits for the other threads of a team, or nothing).
+  // Layer l: its GEMMs, attention, norms and SiLU on this thread's share (team_share) or every thread, RoPE and
+  // the KV store where `lead`; meet() between them (waits for the other threads of a team, or nothing).
   template <typename Meet>
   void layer(int64_t l, const Step& in, bool lead, const Meet& meet);
   bool int8_tiles(int64_t rows) const;  // int8 panels widened to bf16 at this many rows (no out-variant)

@@ -68,28 +68,40 @@ bool fp32_or_bf16_rows(const torch::Tensor& t) {
   return t.dim() == 2 && t.stride(1) == 1 && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16);
 }
 
-// With Add, x += delta first (in place); without, x is only read (dp is not).
+// Where add_rms_norm_rows stores x + delta: rows `stride` apart from `at`, columns [first, last) of each. At x
+// itself (in place) every column; elsewhere a team thread's part, the norm reading x and delta again.
+struct SumStore {
+  float* at;
+  int64_t stride, first, last;
+};
+
+// With Add, x + delta is stored and normed; without, x is only read (dp is not) and normed.
 template <bool Add, typename D, typename O>
-void add_rms_norm_rows(float* xp, int64_t xs, const D* dp, int64_t ds, const float* wp, O* op, int64_t rows,
-                       int64_t cols, float eps) {
+void add_rms_norm_rows(const float* xp, int64_t xs, const D* dp, int64_t ds, const SumStore& sum, const float* wp,
+                       O* op, int64_t rows, int64_t cols, float eps) {
+  const bool in_place = sum.at == xp;
   at::parallel_for(0, rows, kGrainRows, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      float* xr = xp + r * xs;
+      const float* xr = xp + r * xs;
       const D* dr = dp + r * ds;
+      float* sr = sum.at + r * sum.stride;
       Vec squares = vzero();
       for (int64_t c = 0; c < cols; c += kLanes) {
         Vec v = vload_n(xr + c, cols - c);
         if constexpr (Add) {
           v = vadd(v, vload_row_n(dr + c, cols - c));
-          vstore_n(xr + c, v, cols - c);
+          if (sum.first <= c && c < sum.last) vstore_n(sr + c, v, std::min(cols, sum.last) - c);
         }
         squares = vfma(v, v, squares);
       }
       const float inv = 1.f / std::sqrt(vsum(squares) / cols + eps);
       const Vec scale = vset1(inv);
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const Vec v = vmul(vload_n(xr + c, cols - c), scale);
-        vstore_row_n(op + r * cols + c, vmul(v, vload_n(wp + c, cols - c)), cols - c);
+        Vec v = vload_n(xr + c, cols - c);  // in place: x + delta
+        if constexpr (Add) {
+          if (!in_place) v = vadd(v, vload_row_n(dr + c, cols - c));
+        }
+        vstore_row_n(op + r * cols + c, vmul(vmul(v, scale), vload_n(wp + c, cols - c)), cols - c);
       }
     }
   });
@@ -102,27 +114,54 @@ T* row_data(const torch::Tensor& t) {
 
 }  // namespace
 
-// x += delta; returns weight * x / sqrt(mean(x^2) + eps), row by row. delta fp32 or bf16 (a bf16
-// GEMM's product, widened exactly); the result fp32, or rounded to bf16 (`bf16_out`) for a bf16 GEMM.
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                            bool bf16_out, const c10::optional<torch::Tensor>& given) {
+namespace {
+
+void check_add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight) {
   check_rows(x, "x");
   TORCH_CHECK(fp32_or_bf16_rows(delta), "delta must be a 2-D fp32 or bf16 tensor with contiguous rows");
   TORCH_CHECK(x.sizes() == delta.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
               weight.is_contiguous() && weight.scalar_type() == torch::kFloat, "shapes do not match");
+}
+
+// x + delta stored at `sum`, and its norm into out (fp32, or bf16 with bf16_out), for the four kinds of delta and out.
+void add_rms_norm_any(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                      bool bf16_out, const SumStore& sum, const torch::Tensor& out) {
+  const int64_t rows = x.size(0), cols = x.size(1), xs = x.stride(0), ds = delta.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const bool narrow_delta = delta.scalar_type() == torch::kBFloat16;
+  if (narrow_delta && bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, sum, wp, row_data<uint16_t>(out), rows, cols, e);
+  else if (narrow_delta) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, sum, wp, row_data<float>(out), rows, cols, e);
+  else if (bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, sum, wp, row_data<uint16_t>(out), rows, cols, e);
+  else add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, sum, wp, row_data<float>(out), rows, cols, e);
+}
+
+}  // namespace
+
+// x += delta; returns weight * x / sqrt(mean(x^2) + eps), row by row. delta fp32 or bf16 (a bf16
+// GEMM's product, widened exactly); the result fp32, or rounded to bf16 (`bf16_out`) for a bf16 GEMM.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                            bool bf16_out, const c10::optional<torch::Tensor>& given) {
+  check_add_rms_norm(x, delta, weight);
   const int64_t rows = x.size(0), cols = x.size(1);
   auto out = output_or_new("add_rms_norm_", given, {rows, cols},
                            x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat), x, delta, weight);
-  float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  const int64_t xs = x.stride(0), ds = delta.stride(0);
-  const bool narrow_delta = delta.scalar_type() == torch::kBFloat16;
-  if (narrow_delta && bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
-  else if (narrow_delta) add_rms_norm_rows<true>(xp, xs, row_data<const uint16_t>(delta), ds, wp, row_data<float>(out), rows, cols, e);
-  else if (bf16_out) add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, wp, row_data<uint16_t>(out), rows, cols, e);
-  else add_rms_norm_rows<true>(xp, xs, row_data<const float>(delta), ds, wp, row_data<float>(out), rows, cols, e);
+  add_rms_norm_any(x, delta, weight, eps, bf16_out, {x.data_ptr<float>(), x.stride(0), 0, cols}, out);
   return out;
+}
+
+void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                       bool bf16_out, const torch::Tensor& sum, const torch::Tensor& out) {
+  check_add_rms_norm(x, delta, weight);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_out("add_rms_norm_into", sum, {rows, cols}, x.options());
+  check_out("add_rms_norm_into", out, {rows, cols}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
+  check_apart("add_rms_norm_into", sum, x);
+  check_apart("add_rms_norm_into", sum, delta);
+  for (const torch::Tensor* input : {&x, &delta, &weight, &sum}) check_apart("add_rms_norm_into", out, *input);
+  const auto [first, last] = team_part((cols + kLanes - 1) / kLanes);
+  add_rms_norm_any(x, delta, weight, eps, bf16_out, {sum.data_ptr<float>(), cols, first * kLanes, last * kLanes}, out);
 }
 
 // weight * x / sqrt(mean(x^2) + eps), row by row, x fp32 and untouched: add_rms_norm_'s bits for a delta of
@@ -133,7 +172,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == torch::kFloat, "shapes do not match");
   auto out = output_or_new("rms_norm", given, {x.size(0), x.size(1)}, x.options(), x, weight);
-  add_rms_norm_rows<false>(const_cast<float*>(x.data_ptr<float>()), x.stride(0), static_cast<const float*>(nullptr), 0,
+  float* xp = const_cast<float*>(x.data_ptr<float>());  // in place: nothing stored
+  add_rms_norm_rows<false>(xp, x.stride(0), static_cast<const float*>(nullptr), 0, {xp, x.stride(0), 0, 0},
                            weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
                            static_cast<float>(eps));
   return out;
