@@ -145,8 +145,8 @@ std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb
 void avx512_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
                              const torch::Tensor& result) {
   check_tile_gemm("avx512_bf16_linear", x, packed, n);
-  check_out("avx512_bf16_linear", result, {x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat));
-  check_apart("avx512_bf16_linear", result, x);
+  check_output("avx512_bf16_linear", result, {x.size(0), n},
+               x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat), x);
   const int64_t m = x.size(0), nb = packed.size(0), kb = packed.size(1);
   if (m == 0) return;
   const auto [a, lda] = tile_rows(x, kb);

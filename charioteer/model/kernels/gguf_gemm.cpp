@@ -347,9 +347,7 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64
 #if !defined(__AVX512F__)
   TORCH_CHECK(!vnni, "gguf_linear: vnni is in the avx512 build only (cpu_kernels.vnni_unavailable_reason)");
 #endif
-  check_out("gguf_linear", y, {m, n}, x.options());
-  check_apart("gguf_linear", y, x);
-  check_apart("gguf_linear", y, packed);
+  check_output("gguf_linear", y, {m, n}, x.options(), x, packed);
   if (m == 0) return;
   const int64_t offsets = form->offsets;  // sets of m a block: x's sums over their k are needed
   const int64_t kp = form->quads ? k / 4 : k / 2;  // int32 a row of x: int8 quads or int16 pairs

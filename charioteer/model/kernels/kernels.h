@@ -24,23 +24,23 @@ struct TeamShare {
   int64_t first, last, size;
 };
 const TeamShare* team_share();
-// fn(first, last) over [0, n): this thread's share inside a team, else split over the threads by at::parallel_for.
-// (Shrinking ranges taken from a count shared by the team, to even out the threads' finishes, made SmolLM2's GGUF
-// layers from memory 1.3x slower: BENCHMARKS.md.)
-template <typename F>
-void parallel_split(int64_t n, const F& fn) {
-  if (const TeamShare* share = team_share()) {
-    const int64_t first = n * share->first / share->size, last = n * share->last / share->size;
-    if (first < last) fn(first, last);
-    return;
-  }
-  at::parallel_for(0, n, 1, fn);
-}
 // [first, last) of n: this thread's equal part inside a team, else all of it (a row op's elements).
 inline std::pair<int64_t, int64_t> team_part(int64_t n) {
   const TeamShare* share = team_share();
   if (share == nullptr) return {0, n};
   return {n * share->first / share->size, n * share->last / share->size};
+}
+// fn(first, last) over [0, n): this thread's share inside a team, else split over the threads by at::parallel_for.
+// (Shrinking ranges taken from a count shared by the team, to even out the threads' finishes, made SmolLM2's GGUF
+// layers from memory 1.3x slower: BENCHMARKS.md.)
+template <typename F>
+void parallel_split(int64_t n, const F& fn) {
+  if (team_share() != nullptr) {
+    const auto [first, last] = team_part(n);
+    if (first < last) fn(first, last);
+    return;
+  }
+  at::parallel_for(0, n, 1, fn);
 }
 
 // x itself where its rows are contiguous (they may be strided), else a contiguous copy: borrowed, so that no
@@ -59,12 +59,18 @@ inline bool fp32_or_bf16(const torch::Tensor& t) {
 // to the next: with a step's weights streaming through the caches, each new tensor costs about half a microsecond.
 void check_out(const char* name, const torch::Tensor& out, at::IntArrayRef sizes, const torch::TensorOptions& options);
 void check_apart(const char* name, const torch::Tensor& out, const torch::Tensor& input);
+// Both checks of a given output (the `_into` forms' and output_or_new's).
 template <typename... Inputs>  // inputs by reference: a copy of each would write its reference count
+void check_output(const char* name, const torch::Tensor& out, at::IntArrayRef sizes,
+                  const torch::TensorOptions& options, const Inputs&... inputs) {
+  check_out(name, out, sizes, options);
+  (check_apart(name, out, inputs), ...);
+}
+template <typename... Inputs>
 torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
                             const torch::TensorOptions& options, const Inputs&... inputs) {
   if (!out.has_value()) return torch::empty(sizes, options);
-  check_out(name, *out, sizes, options);
-  (check_apart(name, *out, inputs), ...);
+  check_output(name, *out, sizes, options, inputs...);
   return *out;
 }
 

@@ -148,9 +148,7 @@ void panel_linear_into(const torch::Tensor& x, const torch::Tensor& panels, int6
                        const torch::Tensor& y) {
   check_panels(x, panels, n, scale);
   const int64_t rows = x.size(0), k_dim = x.size(1), num_panels = panels.size(0);
-  check_out("panel_linear", y, {rows, n}, x.options());
-  check_apart("panel_linear", y, x);
-  check_apart("panel_linear", y, panels);
+  check_output("panel_linear", y, {rows, n}, x.options(), x, panels);
   if (rows == 0) return;
   // x is read in place (its rows may be strided): a K slice of a row block is at most 4 KB, which stays in L1
   // beside the panel slice. Copying x into a broadcast-friendly layout first cost about 1 ns an

@@ -155,11 +155,9 @@ void add_rms_norm_into(const torch::Tensor& x, const torch::Tensor& delta, const
                        bool bf16_out, const torch::Tensor& sum, const torch::Tensor& out) {
   check_add_rms_norm(x, delta, weight);
   const int64_t rows = x.size(0), cols = x.size(1);
-  check_out("add_rms_norm_into", sum, {rows, cols}, x.options());
-  check_out("add_rms_norm_into", out, {rows, cols}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
-  check_apart("add_rms_norm_into", sum, x);
-  check_apart("add_rms_norm_into", sum, delta);
-  for (const torch::Tensor* input : {&x, &delta, &weight, &sum}) check_apart("add_rms_norm_into", out, *input);
+  check_output("add_rms_norm_into", sum, {rows, cols}, x.options(), x, delta);
+  check_output("add_rms_norm_into", out, {rows, cols}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat), x,
+               delta, weight, sum);
   const auto [first, last] = team_part((cols + kLanes - 1) / kLanes);
   add_rms_norm_any(x, delta, weight, eps, bf16_out, {sum.data_ptr<float>(), cols, first * kLanes, last * kLanes}, out);
 }
@@ -218,8 +216,7 @@ void check_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::T
 void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                const torch::Tensor& out) {
   check_rope(x, cos, signed_sin);
-  check_out("rope", out, {x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat));
-  check_apart("rope", out, x);
+  check_output("rope", out, {x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat), x, cos, signed_sin);
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
@@ -275,8 +272,7 @@ void check_gate_up(const torch::Tensor& gate_up) {
 void silu_mul_into(const torch::Tensor& gate_up, const torch::Tensor& out) {
   check_gate_up(gate_up);
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  check_out("silu_mul", out, {rows, inner}, gate_up.options());
-  check_apart("silu_mul", out, gate_up);
+  check_output("silu_mul", out, {rows, inner}, gate_up.options(), gate_up);
   if (gate_up.scalar_type() == torch::kBFloat16) {
     silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gs, reinterpret_cast<uint16_t*>(out.data_ptr()),
                   rows, inner, [](const uint16_t* p, int64_t n) { return vload_bf16_n(p, n); },

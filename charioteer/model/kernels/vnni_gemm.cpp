@@ -205,8 +205,7 @@ void vnni_linear_int8_into(const torch::Tensor& x, const torch::Tensor& panels, 
                           const torch::Tensor& y) {
   check_int8_panels("vnni_linear_int8", x, panels, n, scale);
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2, blocks = (k + kBlockK - 1) / kBlockK;
-  check_out("vnni_linear_int8", y, {m, n}, x.options());
-  for (const torch::Tensor* input : {&x, &panels, &scale}) check_apart("vnni_linear_int8", y, *input);
+  check_output("vnni_linear_int8", y, {m, n}, x.options(), x, panels, scale);
   if (m == 0) return;
   const QuantizedRows quantized = quantized_rows_buffers(m, kp, blocks, 0);
   const auto xc = with_rows(x);
