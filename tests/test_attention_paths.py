@@ -275,3 +275,22 @@ def test_a_linear_on_onednn_equals_f_linear_in_fp32(rows):
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="not both"):
         llama.Linear(weight, pack=True, onednn=True)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+def test_a_decode_runner_of_the_first_layers_runs_what_a_model_of_those_layers_runs(default_model):
+    """`decode_runner(2)` (what `bench single-stream --parts` times in the caches) is the first two layers' one call:
+    the same bits as a model loaded with those two layers alone, on the same batch."""
+    from charioteer.bench.batch_timer import BatchShape, BatchTimer
+    from charioteer.model.loader import load_model
+
+    hidden = []
+    for llm, runner in ((LLM(default_model), 2), (LLM(load_model(num_layers=2)), None)):
+        model = llm.engine.runner.model
+        timer = BatchTimer(model, 64)
+        inp, _, _ = timer.runner.prepare(timer.plan(BatchShape(decodes=(40, 17))))
+        assert model.decodes_in_one_call(inp, timer.runner.kv)
+        kv = timer.runner.kv.data
+        hidden.append(model.run_decodes(inp, kv[:2], model.decode_runner(runner)) if runner
+                      else model.run_decodes(inp, kv))
+    assert len(hidden[0]) == 2 and torch.equal(hidden[0], hidden[1])

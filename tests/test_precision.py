@@ -332,8 +332,10 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
 
     from charioteer.cli import main
 
-    rc = main(["bench", "single-stream", "--model", "synthetic:tiny", "--json", "--formats", "float32,bfloat16,int8",
-               "--prompt-len", "16", "--new-tokens", "4", "--repeats", "2", "--scheduler-steps", "1,3"])
+    # heads of 64 values, which the one-call decode's attention kernel takes (--parts times that call)
+    rc = main(["bench", "single-stream", "--model", "synthetic:tiny,heads=2,kv_heads=1", "--json", "--formats",
+               "float32,bfloat16,int8",
+               "--prompt-len", "16", "--new-tokens", "4", "--repeats", "2", "--scheduler-steps", "1,3", "--parts"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["format"]: r for r in out["rows"]}
@@ -355,6 +357,15 @@ def test_bench_single_stream_reports_each_format_against_its_bytes(capsys):
     assert 0 < low <= out["round_bandwidth_gbs"] <= high <= out["memory_bandwidth_gbs"]
     assert out["int8_over_float32_verdict"] in {"faster", "slower", "not distinguishable"}
     assert out["cpu_features"] is not None
+    # each format's step taken apart once a round, on its first run's engine, where it runs in one call
+    parts = {r["format"]: r for r in out["parts"]}
+    assert set(parts) == ({"float32", "int8"} | ({"bfloat16"} if "bfloat16" in parts else set())
+                          if cpu_kernels.available() else set())
+    for row in parts.values():
+        for name in ("layers_ms", "head_ms", "cached_layer_us"):
+            assert 0 < row[name + "_spread"][0] <= row[name] <= row[name + "_spread"][1]
+        assert row["layers_of_round"] > 0 and row["head_of_round"] > 0
+        assert row["around_ms_spread"][0] <= row["around_ms"] <= row["around_ms_spread"][1]
 
 
 def test_bench_switch_runs_both_sides_of_a_switch_and_says_what_it_changed(capsys, monkeypatch):

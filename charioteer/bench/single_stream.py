@@ -12,6 +12,9 @@ against the stored (best) bandwidth and against what the memory gave in the same
 Formats: float32; bfloat16 (weights, activations and KV); int8 (weight-only int8 linear layers and
 LM head, fp32 activations and KV, `quantization="int8"`); gguf (the GGUF file's own quantized blocks,
 fp32 activations and KV, `quantization="gguf"`).
+
+With `--parts` each round also times each format's step apart (charioteer.bench.decode_parts): its layers
+from memory, its LM head and a layer in the caches, each set against the same round's read limit.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import sys
 
 import numpy as np
 
+from charioteer.bench.decode_parts import CACHED_LAYERS, DecodeParts
 from charioteer.bench.common import (PRECISION_SETTINGS, add_engine_bench_args, choices, emit, format_table,
                                      load_engine_bench, progress_bar)
 from charioteer.bench.roofline import bandwidth_reader, cpu_features, cpu_model, observe_bandwidth, roofline
@@ -63,20 +67,29 @@ def baseline(label: str, runs_of: dict[str, tuple[str, int]], first: str) -> str
 
 
 def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], new_tokens: int, repeats: int,
-            roof: dict, progress=None, scheduler_steps: tuple[int, ...] = (1,)) -> dict:
+            roof: dict, progress=None, scheduler_steps: tuple[int, ...] = (1,), parts: bool = False) -> dict:
     """Each format's decode step against two read limits:
     - `of_limit`: `roof`'s stored bandwidth, which the fastest step (or round's reading) first holds to
       its rate (roofline.observe_bandwidth), so no fraction of the limit exceeds 1;
     - `of_round_limit`: the bandwidth read in the same round (`roofline.bandwidth_reader`, one more run
       among the interleaved formats), or the round's fastest step's read rate where that is higher. A
       shared machine's bandwidth moves by a third from one hour to the next, so this pairs each step
-      with what the memory gave at that time."""
+      with what the memory gave at that time.
+    `parts`: also each format's step taken apart (DecodeParts), once a round, as `parts` rows."""
     runs_of = variants(formats, list(scheduler_steps))
     engines = {label: LLMEngine(EngineArgs(**{**engine_kwargs, "num_scheduler_steps": k}, **PRECISION_SETTINGS[f]),
                                 loaded=loaded) for label, (f, k) in runs_of.items()}
     formats = list(runs_of)
     read_bandwidth = bandwidth_reader("cpu")
     runs = {f: (lambda f=f: median(decode_step_times(engines[f], prompt, new_tokens))) for f in formats}
+    taken_apart = {}
+    if parts:  # one per format, on its first run's engine (the parts do not depend on the steps a plan runs)
+        firsts: dict[str, str] = {}
+        for label, (fmt, _) in runs_of.items():
+            firsts.setdefault(fmt, label)
+        taken_apart = {label: p for label in firsts.values()
+                       if (p := DecodeParts.build(engines[label].runner.model, len(prompt))) is not None}
+        runs.update({f"{label} parts": p.time for label, p in taken_apart.items()})
     runs[ROUND_BANDWIDTH] = lambda: read_bandwidth(READ_TRIALS)
     samples = interleaved(runs, repeats, warmup=1, after_each=progress.update if progress else None)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
@@ -84,10 +97,15 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
     # a round's limit is at least what its fastest step read (as roofline.observe_bandwidth holds the stored one)
     round_bandwidths = [max([reading] + [reads[f] / samples[f][i] for f in formats])
                         for i, reading in enumerate(samples.pop(ROUND_BANDWIDTH))]
+    part_rows = [_parts_row(label, p, samples.pop(f"{label} parts"), samples[label],
+                            streamed_bytes(engines[label], len(prompt)), round_bandwidths)
+                 for label, p in taken_apart.items()]
     observe_bandwidth(roof, max(round_bandwidths))  # each already at least its steps' read rates
     bandwidth_gbs = roof["memory_bandwidth_gbs"]
     rows = [_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths) for f in formats]
     result = {"rows": rows}
+    if parts:
+        result["parts"] = part_rows
     put(result, "round_bandwidth_gbs", round_bandwidths, scale=1e-9, digits=1)
     result["comparisons"] = [(label, baseline(label, runs_of, formats[0])) for label in formats[1:]]
     for label, base in result["comparisons"]:
@@ -110,6 +128,22 @@ def _format_row(fmt: str, steps: list[float], read: float, bandwidth_gbs: float,
     return row
 
 
+def _parts_row(label: str, parts: DecodeParts, rounds: list[dict], steps: list[float], read: float,
+               round_bandwidths: list[float]) -> dict:
+    """A run's step taken apart, each part against its round's read limit: the layers' bytes (the step's read at
+    the prompt's context, less the head's) and the head's; `around_ms`: the run's step less its layers and head."""
+    layer_bytes, head_bytes = read - parts.head_bytes, parts.head_bytes
+    layers, head = [r["layers_s"] for r in rounds], [r["head_s"] for r in rounds]
+    row = {"format": label}
+    put(row, "layers_ms", layers, scale=1e3)
+    put(row, "layers_of_round", [layer_bytes / b / t for b, t in zip(round_bandwidths, layers)])
+    put(row, "head_ms", head, scale=1e3)
+    put(row, "head_of_round", [head_bytes / b / t for b, t in zip(round_bandwidths, head)])
+    put(row, "cached_layer_us", [r["cached_layer_s"] for r in rounds], scale=1e6, digits=1)
+    put(row, "around_ms", [s - a - b for s, a, b in zip(steps, layers, head)], scale=1e3)
+    return row
+
+
 def scheduler_steps(text: str) -> list[int]:
     """--scheduler-steps: distinct integers >= 1, comma-separated; ValueError otherwise."""
     words = [w.strip() for w in text.split(",")]
@@ -128,8 +162,9 @@ def cmd_bench_single_stream(args) -> int:
     roof = roofline("cpu")
     print(f"model: {loaded.config.name}; one request, {args.prompt_len} prompt tokens, {args.new_tokens} generated; "
           f"read bandwidth {roof['memory_bandwidth_gbs']} GB/s", file=sys.stderr)
-    with progress_bar((len(formats) * len(steps) + 1) * args.repeats, "runs") as bar:
-        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar, steps)
+    with progress_bar((len(formats) * (len(steps) + args.parts) + 1) * args.repeats, "runs") as bar:
+        result = measure(loaded, engine_kwargs, formats, prompt, args.new_tokens, args.repeats, roof, bar, steps,
+                         args.parts)
     result.update({"model": loaded.config.name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
@@ -137,6 +172,12 @@ def cmd_bench_single_stream(args) -> int:
              f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds",
              format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
                                            "of_limit", "of_round_limit"])]
+    if args.parts:
+        lines += [f"Each step taken apart (one decode at {args.prompt_len} positions, its own KV cache): the layers "
+                  f"from memory, the LM head, a layer of the first {CACHED_LAYERS} in the caches, the rest of the step",
+                  format_table(result["parts"], ["format", "layers_ms", "layers_of_round", "head_ms", "head_of_round",
+                                                 "cached_layer_us", "around_ms"])
+                  if result["parts"] else "(no format runs its decode step in one call here: nothing taken apart)"]
     lines += [f"{f} over {base}: {result[f'{f}_over_{base}']}x "
               f"{result[f'{f}_over_{base}_spread']} ({result[f'{f}_over_{base}_verdict']})"
               for f, base in result["comparisons"]]
@@ -162,4 +203,7 @@ def add_single_stream_bench(bench_sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per round (default: 64)")
     p.add_argument("--repeats", type=int, default=5, help="rounds of every format, after one warm-up (default: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default: 0)")
+    p.add_argument("--parts", action="store_true",
+                   help="also time each format's step taken apart every round: its layers from memory, its LM head, "
+                        "a layer in the caches, and the rest of the step")
     p.set_defaults(func=cmd_bench_single_stream)

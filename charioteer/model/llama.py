@@ -775,19 +775,25 @@ class LlamaModel:
                   if lin is not None and lin.panels is not None]
         for lin, panels in zip(packed, huge_pages.into_arena([lin.panels for lin in packed])):
             lin.panels = panels
-        self.decode_layers = None
-        if k.decode_layers:
-            self.decode_layers = cpu_kernels.decode_layers(
-                [layer["attn_norm"] for layer in self.layers], [lin["qkv"].panels for lin in self.linears],
-                [lin["o"].panels for lin in self.linears], [layer["ffn_norm"] for layer in self.layers],
-                [lin["gate_up"].panels for lin in self.linears], [lin["down"].panels for lin in self.linears],
-                heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-                eps=c.rms_norm_eps, scale=c.head_dim ** -0.5,
-                weight_scales=[lin[name].scale for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if self.quantization == "int8" else None,
-                plain_weights=[lin[name].weight for lin in self.linears for name in ("qkv", "o", "gate_up", "down")]
-                if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.int8_tile_rows,
-                amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel), vnni=k.int8_vnni or k.gguf_vnni)
+        self.decode_layers = self.decode_runner() if k.decode_layers else None
+
+    def decode_runner(self, num_layers: int | None = None):
+        """The one-call decode runner (cpu_kernels.decode_layers) of this model's first `num_layers` layers (all by
+        default); a runner of fewer layers times them with their weights in the caches (`bench single-stream
+        --parts`)."""
+        c, k = self.config, self.kernels
+        layers, linears = self.layers[:num_layers], self.linears[:num_layers]
+        return cpu_kernels.decode_layers(
+            [layer["attn_norm"] for layer in layers], [lin["qkv"].panels for lin in linears],
+            [lin["o"].panels for lin in linears], [layer["ffn_norm"] for layer in layers],
+            [lin["gate_up"].panels for lin in linears], [lin["down"].panels for lin in linears],
+            heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+            eps=c.rms_norm_eps, scale=c.head_dim ** -0.5,
+            weight_scales=[lin[name].scale for lin in linears for name in ("qkv", "o", "gate_up", "down")]
+            if self.quantization == "int8" else None,
+            plain_weights=[lin[name].weight for lin in linears for name in ("qkv", "o", "gate_up", "down")]
+            if k.native_bf16_rows else None, native_rows=k.native_bf16_rows or k.int8_tile_rows,
+            amx_tiles="amx" in (k.tile_kernel, k.int8_tile_kernel), vnni=k.int8_vnni or k.gguf_vnni)
 
     @property
     def weight_bytes(self) -> int:
@@ -814,15 +820,24 @@ class LlamaModel:
 
         `hooks`, if given, is called as hooks(op_name, fn) around each operation, for profiling.
         """
-        if (self._tokens_in_one_call and inp.logits_rows.numel() == inp.num_decodes
-                and select_paths(self.kernels, inp, kv, profiled=hooks is not None).decode_layers):
-            # embedding, every layer and the final norm in one C++ call: the ops below, the same bits
-            h = self.decode_layers.run_tokens(inp.token_ids, inp.positions, self.embed, self.cos_table,
-                                              self.signed_sin_table, self.final_norm, kv.data, inp.slot_mapping,
-                                              inp.decode_slots, inp.decode_lengths)
-            return self.lm_head_linear(h)
+        if hooks is None and self.decodes_in_one_call(inp, kv):
+            return self.lm_head_linear(self.run_decodes(inp, kv.data))
         x = self.run_layers(self.embed_tokens(inp), inp, kv, hooks, scratch_input=True, out_rows=inp.logits_rows)
         return self.logits(x, hooks)
+
+    def decodes_in_one_call(self, inp: ForwardInput, kv: KVCache) -> bool:
+        """Whether an unprofiled forward pass of `inp` runs the embedding, every layer and the final norm in one
+        C++ call (`run_decodes`): a decode-only batch whose every row samples, on fp32 activations."""
+        return (self._tokens_in_one_call and inp.logits_rows.numel() == inp.num_decodes
+                and select_paths(self.kernels, inp, kv, profiled=False).decode_layers)
+
+    @torch.inference_mode()
+    def run_decodes(self, inp: ForwardInput, kv_data: torch.Tensor, runner=None) -> torch.Tensor:
+        """The final norm's output [D, hidden] of a batch that `decodes_in_one_call`: the ops of run_layers, the
+        same bits. `runner`: a `decode_runner` of the first layers, with `kv_data` holding only theirs."""
+        runner = runner or self.decode_layers
+        return runner.run_tokens(inp.token_ids, inp.positions, self.embed, self.cos_table, self.signed_sin_table,
+                                 self.final_norm, kv_data, inp.slot_mapping, inp.decode_slots, inp.decode_lengths)
 
     @torch.inference_mode()
     def embed_tokens(self, inp: ForwardInput) -> torch.Tensor:
