@@ -10,9 +10,9 @@
 // split 2:1 over 2 threads. Threads take items longest context first, one at a time (a static split of
 // a batch's mixed lengths left one thread idle for a sixth of the call; inside DecodeLayers' team each
 // thread takes an equal share of the query heads' positions, share_of_heads), and while an item sums its
-// V rows, which are in L2 by then, the thread prefetches the K rows of its next item, so its memory stream does not pause. A context's
-// chunks depend on its length alone, so which thread computes an item, and what else is in the batch,
-// does not change a result's bits.
+// V rows, which are in L2 by then, the thread prefetches the K rows of its next item, so its memory stream
+// does not pause. A context's chunks depend on its length alone, so which thread computes an item, and
+// what else is in the batch, does not change a result's bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

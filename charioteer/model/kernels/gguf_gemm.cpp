@@ -377,7 +377,7 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool vnni,
                           const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be fp32 [M, K] with contiguous rows");
-  auto y = out.has_value() ? *out : torch::empty({x.size(0), std::max<int64_t>(n, 0)}, x.options());  // n checked next
+  auto y = given_or_empty(out, {x.size(0), std::max<int64_t>(n, 0)}, x.options());  // n checked next
   gguf_linear_into(x, packed, n, vnni, y);
   return y;
 }

@@ -66,6 +66,11 @@ void check_output(const char* name, const torch::Tensor& out, at::IntArrayRef si
   check_out(name, out, sizes, options);
   (check_apart(name, out, inputs), ...);
 }
+// The given output, else a new tensor: for a wrapper whose `_into` form checks the output itself.
+inline torch::Tensor given_or_empty(const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
+                                    const torch::TensorOptions& options) {
+  return out.has_value() ? *out : torch::empty(sizes, options);
+}
 template <typename... Inputs>
 torch::Tensor output_or_new(const char* name, const c10::optional<torch::Tensor>& out, at::IntArrayRef sizes,
                             const torch::TensorOptions& options, const Inputs&... inputs) {

@@ -172,7 +172,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
                            const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& out) {
   const torch::Tensor* scales = scale.has_value() ? &*scale : nullptr;
   check_panels(x, panels, n, scales);
-  auto y = out.has_value() ? *out : torch::empty({x.size(0), n}, x.options());
+  auto y = given_or_empty(out, {x.size(0), n}, x.options());
   panel_linear_into(x, panels, n, scales, y);
   return y;
 }

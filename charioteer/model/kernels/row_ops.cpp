@@ -231,7 +231,7 @@ void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Te
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                    const c10::optional<torch::Tensor>& given) {
   check_rope(x, cos, signed_sin);
-  auto out = given.has_value() ? *given : torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat));
+  auto out = given_or_empty(given, {x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kFloat));
   rope_into(x, cos, signed_sin, out);
   return out;
 }
@@ -287,7 +287,7 @@ void silu_mul_into(const torch::Tensor& gate_up, const torch::Tensor& out) {
 // silu(gate) * up of a fused [rows, 2 * inner] projection, in its dtype (fp32 or bf16).
 torch::Tensor silu_mul(const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& given) {
   check_gate_up(gate_up);
-  auto out = given.has_value() ? *given : torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  auto out = given_or_empty(given, {gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   silu_mul_into(gate_up, out);
   return out;
 }

@@ -231,7 +231,7 @@ void vnni_linear_int8_into(const torch::Tensor& x, const torch::Tensor& panels, 
 torch::Tensor vnni_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                const torch::Tensor& scale, const c10::optional<torch::Tensor>& out) {
   check_int8_panels("vnni_linear_int8", x, panels, n, scale);
-  auto y = out.has_value() ? *out : torch::empty({x.size(0), n}, x.options());
+  auto y = given_or_empty(out, {x.size(0), n}, x.options());
   vnni_linear_int8_into(x, panels, n, scale, y);
   return y;
 }
