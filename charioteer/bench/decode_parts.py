@@ -24,7 +24,8 @@ class DecodeParts:
     model: LlamaModel
     timer: BatchTimer  # holds the batch's KV cache
     inp: object  # the decode's ForwardInput
-    cached_runner: object  # a decode runner of the first CACHED_LAYERS layers
+    cached_runner: object  # a decode runner of the first `cached_layers` layers
+    cached_layers: int
 
     @classmethod
     def build(cls, model: LlamaModel, context: int) -> DecodeParts | None:
@@ -34,8 +35,8 @@ class DecodeParts:
         inp, _, _ = timer.runner.prepare(timer.plan(BatchShape(decodes=(context,))))
         if not model.decodes_in_one_call(inp, timer.runner.kv):
             return None
-        cached = model.decode_runner(min(CACHED_LAYERS, len(model.layers)))
-        return cls(model, timer, inp, cached)
+        count = min(CACHED_LAYERS, len(model.layers))
+        return cls(model, timer, inp, model.decode_runner(count), count)
 
     def time(self) -> dict[str, float]:
         """One round: `layers_s` (every layer, from memory), `head_s` (the LM head after them) and `cached_layer_s`
@@ -49,12 +50,11 @@ class DecodeParts:
             model.lm_head_linear(h)
             layers.append(middle - start)
             head.append(time.perf_counter() - middle)
-        count = min(CACHED_LAYERS, len(model.layers))
         cached = []
         for _ in range(CACHED_CALLS + 1):
             start = time.perf_counter()
-            model.run_decodes(self.inp, kv[:count], self.cached_runner)
-            cached.append((time.perf_counter() - start) / count)
+            model.run_decodes(self.inp, kv[:self.cached_layers], self.cached_runner)
+            cached.append((time.perf_counter() - start) / self.cached_layers)
         return {"layers_s": statistics.median(layers), "head_s": statistics.median(head),
                 "cached_layer_s": statistics.median(cached[1:])}
 
