@@ -164,7 +164,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
   const int64_t chunks =
       kInt8Weights || passes == 1 ? 1 : std::max<int64_t>(1, (kb * step_bytes + kL2Budget - 1) / kL2Budget);
   const int64_t chunk_steps = (kb + chunks - 1) / chunks;
-  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t first, int64_t last) {
+  parallel_split((nb + 1) / 2, [&](int64_t first, int64_t last) {  // inside DecodeLayers' team: its share
     thread_local std::vector<float> cbuf;  // each pass's block of C
     if (static_cast<int64_t>(cbuf.size()) < passes * kPassRows * kPairCols)
       cbuf.resize(passes * kPassRows * kPairCols);
@@ -260,6 +260,25 @@ torch::Tensor tile_input(const torch::Tensor& x, int64_t kb) {
   return torch::constant_pad_nd(bf16, {0, kb * kTileK - k}).contiguous();
 }
 
+std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb) {
+  const int64_t m = x.size(0), k = x.size(1), width = kb * kTileK;
+  if (x.scalar_type() == torch::kBFloat16 && k == width && x.stride(1) == 1)
+    return {reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0)};
+  thread_local std::vector<uint16_t> rows;
+  rows.assign(m * width, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    uint16_t* dst = rows.data() + r * width;
+    if (x.scalar_type() == torch::kBFloat16) {
+      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
+      for (int64_t c = 0; c < k; ++c) dst[c] = src[c * x.stride(1)];
+      continue;
+    }
+    const float* src = x.data_ptr<float>() + r * x.stride(0);
+    for (int64_t c = 0; c < k; ++c) dst[c] = c10::BFloat16(src[c * x.stride(1)]).x;
+  }
+  return {rows.data(), width};
+}
+
 torch::Tensor amx_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "amx_pack takes a bf16 [N, K] weight");
   const auto w = weight.contiguous();
@@ -299,15 +318,18 @@ torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const t
   return output_or_new(name, out, {x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat), x);
 }
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
+void amx_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                     const torch::Tensor& result) {
   TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
-  auto out = tile_gemm_output("amx_linear", x, packed, n, bf16_output);
+  check_tile_gemm("amx_linear", x, packed, n);
+  check_output("amx_linear", result, {x.size(0), n}, x.options().dtype(bf16_output ? torch::kBFloat16 : torch::kFloat),
+               x);
   const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), kb = packed.size(1);
-  if (m == 0) return out;
-  const auto a = tile_input(x, kb);
-  float* out_fp32 = bf16_output ? nullptr : out.data_ptr<float>();
-  at::BFloat16* out_bf16 = bf16_output ? out.data_ptr<at::BFloat16>() : nullptr;
-  run_tiles<false>(static_cast<const char*>(a.data_ptr()), a.stride(0) * 2, m, packed.data_ptr(), nb, kb, k, n,
+  if (m == 0) return;
+  const auto [a, lda] = tile_rows(x, kb);
+  float* out_fp32 = bf16_output ? nullptr : result.data_ptr<float>();
+  at::BFloat16* out_bf16 = bf16_output ? static_cast<at::BFloat16*>(result.data_ptr()) : nullptr;
+  run_tiles<false>(reinterpret_cast<const char*>(a), lda * 2, m, packed.data_ptr(), nb, kb, k, n,
                    [&](int64_t r0, int64_t rows, int64_t j, int64_t cols, const float* c) {
                      for (int64_t r = 0; r < rows; ++r) {
                        const float* src = c + r * kPairCols;
@@ -319,6 +341,11 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, in
                        }
                      }
                    });
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output) {
+  auto out = tile_gemm_output("amx_linear", x, packed, n, bf16_output);
+  amx_linear_into(x, packed, n, bf16_output, out);
   return out;
 }
 

@@ -118,28 +118,6 @@ void run_pairs(const uint16_t* xs, int64_t lda, int64_t m, int64_t n, int64_t nb
   });
 }
 
-// x's rows as the kernel reads them: bf16, K zero-padded to kb k-steps. x itself where it is laid out so, else x
-// rounded (to nearest even, as torch's .to()) into a buffer the calling thread keeps: a decode step's new tensor
-// costs about half a microsecond with the caches cold, and inside DecodeLayers' team each thread rounds its own.
-std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb) {
-  const int64_t m = x.size(0), k = x.size(1), width = kb * kTileK;
-  if (x.scalar_type() == torch::kBFloat16 && k == width && x.stride(1) == 1)
-    return {reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0)};
-  thread_local std::vector<uint16_t> rows;
-  rows.assign(m * width, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    uint16_t* dst = rows.data() + r * width;
-    if (x.scalar_type() == torch::kBFloat16) {
-      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
-      for (int64_t c = 0; c < k; ++c) dst[c] = src[c * x.stride(1)];
-      continue;
-    }
-    const float* src = x.data_ptr<float>() + r * x.stride(0);
-    for (int64_t c = 0; c < k; ++c) dst[c] = c10::BFloat16(src[c * x.stride(1)]).x;
-  }
-  return {rows.data(), width};
-}
-
 }  // namespace
 
 void avx512_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,

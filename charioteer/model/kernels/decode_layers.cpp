@@ -72,13 +72,13 @@ const torch::Tensor& DecodeLayers::linear(const torch::Tensor& x, const torch::T
   if (!plain_.empty()) {  // as NarrowLinear with native_rows: every path rounds input and product to bf16
     // below native_rows: panels from amx_pack (4-d) on AMX tiles or with AVX512-BF16, else the panel kernel
     const auto bf16 = torch::kBFloat16;
-    if (x.size(0) < native_rows_ && panels.dim() == 4 && !amx_tiles_) {
-      avx512_bf16_linear_into(x, panels, n, true, out);
+    if (x.size(0) < native_rows_ && panels.dim() == 4) {
+      if (amx_tiles_) amx_linear_into(x, panels, n, true, out);
+      else avx512_bf16_linear_into(x, panels, n, true, out);
       return out;
     }
     made = x.size(0) >= native_rows_ ? native_bf16_linear(x.to(bf16), plain_[4 * layer + which])
-           : panels.dim() != 4       ? panel_linear(x.to(bf16).to(torch::kFloat), panels, n).to(bf16)
-                                     : amx_linear(x, panels, n, true);
+                                     : panel_linear(x.to(bf16).to(torch::kFloat), panels, n).to(bf16);
     return made;  // bf16, as in Python: rope, store_kv, silu_mul and add_rms_norm_ take it so
   }
   if (int8_tiles(x.size(0))) {  // int8 panels widened to bf16
@@ -97,7 +97,7 @@ bool DecodeLayers::int8_tiles(int64_t rows) const {
 
 bool DecodeLayers::writes_buffers(int64_t rows) const {
   if (plain_.empty()) return !int8_tiles(rows);
-  return rows < native_rows_ && qkv_[0].dim() == 4 && !amx_tiles_;  // avx512_bf16_linear
+  return rows < native_rows_ && qkv_[0].dim() == 4;  // amx_linear or avx512_bf16_linear
 }
 
 const torch::Tensor* DecodeLayers::scale(int64_t layer, int64_t which) const {

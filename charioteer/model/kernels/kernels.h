@@ -145,8 +145,16 @@ torch::Tensor amx_pack(const torch::Tensor& weight);
 // x [M, K] (bf16, or fp32 rounded to it) @ w.T -> [M, n], fp32 or rounded to bf16 (bf16_output), for
 // packed = amx_pack(w).
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output);
+// amx_linear into a given y (checked as output_or_new checks it), the form DecodeLayers calls: inside its team, this
+// thread's share of the column pairs, x rounded by each thread into a buffer of its own.
+void amx_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
+                     const torch::Tensor& y);
 // x as amx_pack's layout reads it: bf16, K zero padded to kb steps of 32; in place where it already is.
 torch::Tensor tile_input(const torch::Tensor& x, int64_t kb);
+// The same rows without a tensor: x itself where it is laid out so, else x rounded (to nearest even, as torch's
+// .to()) into a buffer the calling thread keeps, with their stride in elements. A decode step's new tensor costs about
+// half a microsecond with the caches cold, and inside DecodeLayers' team each thread rounds its own.
+std::pair<const uint16_t*, int64_t> tile_rows(const torch::Tensor& x, int64_t kb);
 // The checks of the tile-order GEMMs (`name`: amx_linear or avx512_bf16_linear) on x [M, K] (fp32, rounded to bf16 to
 // nearest even, or bf16) and a weight packed by amx_pack; tile_gemm_output also returns their output [M, n], fp32 or
 // bf16 (output_or_new).
@@ -274,7 +282,7 @@ class DecodeLayers {
   void layer(int64_t l, const Step& in, bool lead, const Meet& meet);
   bool int8_tiles(int64_t rows) const;  // int8 panels widened to bf16 at this many rows (no out-variant)
   // Whether every GEMM of a batch of `rows` writes into its buffer, on a kernel that takes a team's share: the batches
-  // that may run in one region (AMX tiles and oneDNN's GEMMs start their own).
+  // that may run in one region (int8 on the tile kernels and oneDNN's GEMMs start their own).
   bool writes_buffers(int64_t rows) const;
   const torch::Tensor* scale(int64_t layer, int64_t which) const;  // which: 0 qkv, 1 o, 2 gate_up, 3 down; or none
   // Writes into `out` (fp32, or bf16 with `plain`) and returns it where the kernel has an out-variant (a team's
