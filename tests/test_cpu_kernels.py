@@ -133,6 +133,33 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+@pytest.mark.parametrize("rows", [16, 17])
+def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(rows):
+    """The team takes batches of up to 16 rows (17 run a region per op): with contexts of different lengths,
+    each thread's share of the panels, rows and attention gives the bits of one thread's run."""
+    hidden, kv_heads, dim, layers, g = 64, 1, 64, 2, torch.Generator().manual_seed(3)
+    runner, norms = _small_decode_layers(g, heads=2, kv_heads=kv_heads)
+    width = 40
+    kv0 = torch.randn(layers, 2, rows * width + 1, kv_heads, dim, generator=g)
+    x = torch.randn(rows, hidden, generator=g)
+    cos, sin = torch.rand(rows, dim, generator=g), torch.rand(rows, dim, generator=g)
+    slots = torch.randperm(rows * width, generator=g).view(rows, width)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+
+    def run(threads):
+        kv, y, before = kv0.clone(), x.clone(), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            h = cpu_kernels.rms_norm(x, norms[0], 1e-5)
+            mapping = slots[torch.arange(rows), lengths - 1]
+            return runner.run(y, h, kv, cos, sin, mapping, slots, lengths), kv
+        finally:
+            torch.set_num_threads(before)
+
+    (team, team_kv), (alone, alone_kv) = run(2), run(1)
+    assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
+
+
 @pytest.mark.parametrize("heads, chunks", [(6, 2), (9, 0)])
 def test_one_region_decode_layers_spread_a_long_context_over_the_threads(heads, chunks):
     """A context of several attention chunks is split over the team's threads by positions, its chunks combined
@@ -874,6 +901,9 @@ def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
         return cpu_kernels.amx_prefill_attention(q, k, v, start, scale, out=out, isa=isa)
 
     q, k, v, start = _within_sdpas_bf16_error(attend, ((9, 3, 64), (4, 4, 128), (4, 2, 32)))
+    # fp32 q is rounded to bf16 as each block takes it (to nearest even, as .to): the bits of q rounded first
+    wide_q = q.float() + torch.randn(q.shape) * 1e-3
+    assert torch.equal(attend(wide_q, k, v, start, 0.125, None), attend(wide_q.bfloat16(), k, v, start, 0.125, None))
     with pytest.raises(RuntimeError, match="start \\+ the chunk's tokens"):
         cpu_kernels.amx_prefill_attention(q, k[:-1], v[:-1], start, 0.125)
     with pytest.raises(RuntimeError, match="multiple of 32"):

@@ -484,13 +484,13 @@ def avx512_bf16_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale
 
 def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                           out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """Causal attention of a prompt chunk on AMX tiles: q bf16 [n, heads, dim], query i at position
-    start + i, against k and v bf16 [start + n, kv_heads, dim] (rows may be strided), each query seeing
-    the keys up to its own position. Products of bf16 summed in fp32, softmax in fp32, its weights
-    rounded to bf16 for P V, as SDPA does in bf16. Writes `out` (fp32 or bf16, default a new bf16
-    tensor like q) and returns it."""
+    """Causal attention of a prompt chunk on AMX tiles: q [n, heads, dim] (bf16, or fp32 rounded to it as .to
+    rounds), query i at position start + i, against k and v bf16 [start + n, kv_heads, dim] (rows may be
+    strided), each query seeing the keys up to its own position. Products of bf16 summed in fp32, softmax in
+    fp32, its weights rounded to bf16 for P V, as SDPA does in bf16. Writes `out` (fp32 or bf16, default a
+    new bf16 tensor of q's shape) and returns it."""
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     _kernels(isa).amx_prefill_attention(q, k, v, start, scale, out)
     return out
 

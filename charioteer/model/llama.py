@@ -776,6 +776,11 @@ class LlamaModel:
         for lin, panels in zip(packed, huge_pages.into_arena([lin.panels for lin in packed])):
             lin.panels = panels
         self.decode_layers = self.decode_runner() if k.decode_layers else None
+        # Where the O projection rounds its input to bf16 whatever the rows (widened bf16 under native GEMMs), the
+        # attention writes its output so (the same bits): a cast of every mixed batch's output less per layer.
+        o_linears = [lin["o"] for lin in self.linears]
+        self._attention_out_dtype = (torch.bfloat16 if o_linears and all(type(lin) is NarrowLinear and lin.native_rows
+                                                                          for lin in o_linears) else None)
 
     def decode_runner(self, num_layers: int | None = None):
         """The one-call decode runner (cpu_kernels.decode_layers) of this model's first `num_layers` layers (all by
@@ -947,7 +952,7 @@ class LlamaModel:
             invariant.attend_each_query(q, k_cache, v_cache, *contexts, self.config.head_dim ** -0.5,
                                         self.kernels.invariant == "native", out)
             return out.view(q.shape[0], self.config.q_size)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=self._attention_out_dtype or q.dtype, device=q.device)
         wanted = None if rows is None else rows.tolist()
         for span in inp.prefills:
             queries = _span_queries(span, wanted)
@@ -970,7 +975,7 @@ class LlamaModel:
         rows, start, keys = slice(span.offset + first, span.offset + end), span.start_pos + first, span.start_pos + end
         ks, vs = (t[:keys] for t in self._prefill_context(span, k[chunk], v[chunk], k_cache, v_cache))
         if self.kernels.amx_attention:
-            cpu_kernels.amx_prefill_attention(q[rows].to(torch.bfloat16), ks, vs, start, c.head_dim ** -0.5, out[rows])
+            cpu_kernels.amx_prefill_attention(q[rows], ks, vs, start, c.head_dim ** -0.5, out[rows])  # q rounded in it
             return
         if self.kernels.vector_attention:  # q, the cache and out as they are, fp32 or bf16
             # in bf16 products where widened bf16's GEMMs take them from AVX512-BF16, as SDPA in bf16 would
@@ -1006,9 +1011,9 @@ class LlamaModel:
 
     def _decode_kernel(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
         args = (k_cache, v_cache, inp.decode_slots, inp.decode_lengths, self.config.head_dim ** -0.5)
-        if q.dtype == torch.float32:
+        if q.dtype == out.dtype == torch.float32:
             cpu_kernels.decode_attention(q, *args, out=out)
-        else:  # bf16 activations: the kernel computes in fp32, and its output is rounded once
+        else:  # bf16 activations or output: the kernel computes in fp32, and its output is rounded once
             out.copy_(cpu_kernels.decode_attention(q.float(), *args))
 
     def _decode_in_place(self, q, k_cache, v_cache, inp: ForwardInput, out: torch.Tensor) -> None:
