@@ -160,6 +160,51 @@ def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(ro
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+def test_bf16_decode_layers_on_a_tile_kernel_run_16_rows_in_one_region_with_one_threads_bits(kernel, monkeypatch):
+    """bf16 weights in amx_pack's order, the batches below native_rows on AMX tiles or AVX512-BF16: inside the
+    team each thread computes its share of the column pairs (amx_linear_into, avx512_bf16_linear_into), and 16
+    decodes give the bits of one thread's run."""
+    if kernel == "amx" and not cpu_kernels.amx_available():
+        pytest.skip(f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
+    if kernel == "avx512_bf16" and cpu_kernels.avx512_bf16_unavailable_reason() is not None:
+        pytest.skip(f"AVX512-BF16: {cpu_kernels.avx512_bf16_unavailable_reason()}")
+    rows, hidden, heads, kv_heads, dim, inter, layers = 16, 64, 2, 1, 64, 96, 2
+    g = torch.Generator().manual_seed(4)
+
+    def weights(n, k):
+        return [(torch.randn(n, k, generator=g) * 0.1).bfloat16() for _ in range(layers)]
+
+    qkv, o, gate_up, down = (weights((heads + 2 * kv_heads) * dim, hidden), weights(hidden, heads * dim),
+                             weights(2 * inter, hidden), weights(hidden, inter))
+    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(layers)]
+    packed = [[cpu_kernels.amx_pack(w) for w in ws] for ws in (qkv, o, gate_up, down)]
+    runner = cpu_kernels.decode_layers(norms, *packed[:2], norms, *packed[2:], heads=heads, kv_heads=kv_heads,
+                                       head_dim=dim, intermediate=inter, eps=1e-5, scale=dim ** -0.5,
+                                       plain_weights=[w for i in range(layers) for w in (qkv[i], o[i], gate_up[i],
+                                                                                         down[i])],
+                                       native_rows=rows + 1, amx_tiles=kernel == "amx")
+    width = 30
+    kv0 = torch.randn(layers, 2, rows * width + 1, kv_heads, dim, generator=g).bfloat16()
+    x = torch.randn(rows, hidden, generator=g)
+    cos, sin = torch.rand(rows, dim, generator=g), torch.rand(rows, dim, generator=g)
+    slots = torch.randperm(rows * width, generator=g).view(rows, width)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+
+    def run(threads):
+        kv, y, before = kv0.clone(), x.clone(), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            h = cpu_kernels.rms_norm(x, norms[0], 1e-5).bfloat16()
+            mapping = slots[torch.arange(rows), lengths - 1]
+            return runner.run(y, h, kv, cos, sin, mapping, slots, lengths), kv
+        finally:
+            torch.set_num_threads(before)
+
+    (team, team_kv), (alone, alone_kv) = run(2), run(1)
+    assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
+
+
 @pytest.mark.parametrize("heads, chunks", [(6, 2), (9, 0)])
 def test_one_region_decode_layers_spread_a_long_context_over_the_threads(heads, chunks):
     """A context of several attention chunks is split over the team's threads by positions, its chunks combined
