@@ -225,6 +225,16 @@ def test_a_read_rate_above_the_bandwidth_remeasures_it_and_may_become_it(fake_ma
     assert "not a float32 read rate" in capsys.readouterr().err
 
 
+def test_the_last_level_cache_is_the_largest_size_linux_reports(tmp_path):
+    """Sizes as sysfs writes them (K, M, G or bytes); a folder without them, or an unreadable size: 0."""
+    for index, size in (("index0", "48K"), ("index2", "2048K\n"), ("index3", "491520K"), ("index4", "oops")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size)
+    (tmp_path / "index5").mkdir()  # no size file
+    assert rl.last_level_cache_bytes(str(tmp_path)) == 491520 * 1024
+    assert rl.last_level_cache_bytes(str(tmp_path / "none")) == 0
+
+
 def test_an_observed_rate_is_rounded_up_into_the_peak(fake_machine):
     roof = rl.roofline("cpu")
     fake_machine["peak"] = 90e9

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -165,6 +166,22 @@ def cpu_model() -> str:
 
 def cpu_features() -> list[str]:
     return _cpuinfo()[1]
+
+
+def last_level_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of the CPU's largest cache as Linux reports it (0 where it does not): bytes that fit in it may be
+    read from it rather than from memory, faster than any read bandwidth. (A VM may report its host's whole L3.)"""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for index in Path(cache_dir).glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "")
+        if number.isdigit():
+            sizes.append(int(number) * units.get(unit, 1))
+    return max(sizes, default=0)
 
 
 def torch_version() -> str:

@@ -25,7 +25,8 @@ import numpy as np
 from charioteer.bench.decode_parts import CACHED_LAYERS, DecodeParts
 from charioteer.bench.common import (PRECISION_SETTINGS, add_engine_bench_args, choices, emit, format_table,
                                      load_engine_bench, progress_bar)
-from charioteer.bench.roofline import bandwidth_reader, cpu_features, cpu_model, observe_bandwidth, roofline
+from charioteer.bench.roofline import (bandwidth_reader, cpu_features, cpu_model, last_level_cache_bytes,
+                                      observe_bandwidth, roofline)
 from charioteer.bench.stats import cell, compare, interleaved, median, put
 from charioteer.config import EngineArgs, setting_kwargs
 from charioteer.engine.llm_engine import LLMEngine
@@ -75,6 +76,9 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
       among the interleaved formats), or the round's fastest step's read rate where that is higher. A
       shared machine's bandwidth moves by a third from one hour to the next, so this pairs each step
       with what the memory gave at that time.
+    Only the steps whose bytes outgrow the last-level cache count as reads of memory: a format that fits in it
+    (`fits_last_level_cache`; SmolLM2's GGUF in a Xeon's 480 MB L3) may read faster than the memory, and then its
+    fractions exceed 1 rather than raising every format's limit and the stored bandwidth.
     `parts`: also each format's step taken apart (DecodeParts), once a round, as `parts` rows."""
     runs_of = variants(formats, list(scheduler_steps))
     engines = {label: LLMEngine(EngineArgs(**{**engine_kwargs, "num_scheduler_steps": k}, **PRECISION_SETTINGS[f]),
@@ -94,15 +98,19 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
     samples = interleaved(runs, repeats, warmup=1, after_each=progress.update if progress else None)
     context = len(prompt) + new_tokens / 2  # the mean context of the decode steps
     reads = {f: streamed_bytes(engines[f], context) for f in formats}
-    # a round's limit is at least what its fastest step read (as roofline.observe_bandwidth holds the stored one)
-    round_bandwidths = [max([reading] + [reads[f] / samples[f][i] for f in formats])
+    cache_bytes = last_level_cache_bytes()
+    from_memory = [f for f in formats if reads[f] > cache_bytes]
+    # a round's limit is at least what its fastest step from memory read (as roofline.observe_bandwidth holds the
+    # stored one)
+    round_bandwidths = [max([reading] + [reads[f] / samples[f][i] for f in from_memory])
                         for i, reading in enumerate(samples.pop(ROUND_BANDWIDTH))]
     part_rows = [_parts_row(label, p, samples.pop(f"{label} parts"), samples[label],
                             streamed_bytes(engines[label], len(prompt)), round_bandwidths)
                  for label, p in taken_apart.items()]
     observe_bandwidth(roof, max(round_bandwidths))  # each already at least its steps' read rates
     bandwidth_gbs = roof["memory_bandwidth_gbs"]
-    rows = [_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths) for f in formats]
+    rows = [{**_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths),
+             "fits_last_level_cache": f not in from_memory} for f in formats]
     result = {"rows": rows}
     if parts:
         result["parts"] = part_rows
@@ -120,8 +128,8 @@ def _format_row(fmt: str, steps: list[float], read: float, bandwidth_gbs: float,
     row["streamed_mb"] = round(read / 1e6, 1)
     row["limit_tok_s"] = round(bandwidth_gbs * 1e9 / read, 1)
     of_limit = read / (bandwidth_gbs * 1e9) / step.median
-    # none above 1: a step that still reads faster than the bandwidth ran at a rate observe_bandwidth found
-    # implausible (weights that fit in cache)
+    # none above 1: a step that reads faster than the bandwidth fits in the cache, or ran at a rate
+    # observe_bandwidth found implausible
     row["of_limit"] = round(of_limit, 3) if of_limit <= 1 else None
     put(row, "of_round_limit", [read / b / s for b, s in zip(round_bandwidths, steps)])
     row["achieved_gbs"] = round(read / step.median / 1e9, 1)
@@ -169,9 +177,10 @@ def cmd_bench_single_stream(args) -> int:
                    "repeats": args.repeats, "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
     lines = [f"{cpu_model()} ({'+'.join(cpu_features())}), read bandwidth {roof['memory_bandwidth_gbs']} GB/s "
-             f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds",
+             f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds; last-level cache "
+             f"{last_level_cache_bytes() / 1e6:.0f} MB (a format that fits in it may beat the memory's limit)",
              format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
-                                           "of_limit", "of_round_limit"])]
+                                           "of_limit", "of_round_limit", "fits_last_level_cache"])]
     if args.parts:
         lines += [f"Each step taken apart (one decode at {args.prompt_len} positions, its own KV cache): the layers "
                   f"from memory, the LM head, a layer of the first {CACHED_LAYERS} in the caches, the rest of the step",
