@@ -97,6 +97,10 @@ def test_kernels_write_into_a_given_out_and_refuse_a_wrong_one(isa):
         kernels.silu_mul(gate_up[:1], out=gate_up[0, 40:].view(1, 40))
 
 
+# the one-call decode layers exist only in the kernels' builds (CHARIOTEER_CPU_KERNELS=off has none)
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
 def _small_decode_layers(g, heads, kv_heads, hidden=64, dim=64, inter=96, layers=2):
     """A DecodeLayers of `layers` layers on random fp32 panels, and its norm weights (one per layer)."""
     def packed(n, k):
@@ -109,6 +113,7 @@ def _small_decode_layers(g, heads, kv_heads, hidden=64, dim=64, inter=96, layers
     return runner, norms
 
 
+@needs_kernels
 def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_threads_on_a_bad_slot():
     """A small batch's layers run in one parallel region, the threads meeting between ops: the bits of one
     thread's run, and an error on one thread (a KV slot out of range, met by the row ops' thread alone) ends
@@ -133,6 +138,7 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [16, 17])
 def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(rows):
     """The team takes batches of up to 16 rows (17 run a region per op): with contexts of different lengths,
@@ -205,6 +211,7 @@ def test_bf16_decode_layers_on_a_tile_kernel_run_16_rows_in_one_region_with_one_
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+@needs_kernels
 @pytest.mark.parametrize("heads, chunks", [(6, 2), (9, 0)])
 def test_one_region_decode_layers_spread_a_long_context_over_the_threads(heads, chunks):
     """A context of several attention chunks is split over the team's threads by positions, its chunks combined
@@ -236,6 +243,7 @@ def test_one_region_decode_layers_spread_a_long_context_over_the_threads(heads, 
     assert torch.equal(run(first, 2), run(first, 1)) and torch.equal(run(first, 2)[0], run(both, 2)[0])
 
 
+@needs_kernels
 def test_decode_layers_run_tokens_is_the_embedding_norms_and_run_and_refuses_rows_past_its_tables():
     """run_tokens: the embedding's rows (a bf16 table widened), the RoPE tables' rows, the first norm, run and the
     final norm in one call, bit for bit those ops one by one; a token or position past its table is refused."""
