@@ -138,15 +138,13 @@ def test_one_region_decode_layers_are_bitwise_one_region_per_op_and_release_thre
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
-@needs_kernels
-@pytest.mark.parametrize("rows", [16, 17])
-def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(rows):
-    """The team takes batches of up to 16 rows (17 run a region per op): with contexts of different lengths,
-    each thread's share of the panels, rows and attention gives the bits of one thread's run."""
-    hidden, kv_heads, dim, layers, g = 64, 1, 64, 2, torch.Generator().manual_seed(3)
-    runner, norms = _small_decode_layers(g, heads=2, kv_heads=kv_heads)
-    width = 40
-    kv0 = torch.randn(layers, 2, rows * width + 1, kv_heads, dim, generator=g)
+def _assert_team_is_one_thread(runner, norm, rows, width, cache, g, dtype):
+    """`rows` decodes with contexts of 1 to `width` positions in random slots of a [layers, 2, slots, kv_heads, dim]
+    cache (`cache`: layers, kv_heads, dim) of `dtype`, the first norm in `dtype` too: the team's (2 threads) output
+    and cache are one thread's bit for bit."""
+    layers, kv_heads, dim = cache
+    hidden = norm.numel()
+    kv0 = torch.randn(layers, 2, rows * width + 1, kv_heads, dim, generator=g).to(dtype)
     x = torch.randn(rows, hidden, generator=g)
     cos, sin = torch.rand(rows, dim, generator=g), torch.rand(rows, dim, generator=g)
     slots = torch.randperm(rows * width, generator=g).view(rows, width)
@@ -156,7 +154,7 @@ def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(ro
         kv, y, before = kv0.clone(), x.clone(), torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            h = cpu_kernels.rms_norm(x, norms[0], 1e-5)
+            h = cpu_kernels.rms_norm(x, norm, 1e-5).to(dtype)
             mapping = slots[torch.arange(rows), lengths - 1]
             return runner.run(y, h, kv, cos, sin, mapping, slots, lengths), kv
         finally:
@@ -166,8 +164,18 @@ def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(ro
     assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [16, 17])
+def test_a_batch_of_up_to_16_decodes_runs_in_one_region_with_one_threads_bits(rows):
+    """The team takes batches of up to 16 rows (17 run a region per op): with contexts of different lengths,
+    each thread's share of the panels, rows and attention gives the bits of one thread's run."""
+    g = torch.Generator().manual_seed(3)
+    runner, norms = _small_decode_layers(g, heads=2, kv_heads=1)  # 2 layers of head size 64
+    _assert_team_is_one_thread(runner, norms[0], rows, 40, (2, 1, 64), g, torch.float32)
+
+
 @pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
-def test_bf16_decode_layers_on_a_tile_kernel_run_16_rows_in_one_region_with_one_threads_bits(kernel, monkeypatch):
+def test_bf16_decode_layers_on_a_tile_kernel_run_16_rows_in_one_region_with_one_threads_bits(kernel):
     """bf16 weights in amx_pack's order, the batches below native_rows on AMX tiles or AVX512-BF16: inside the
     team each thread computes its share of the column pairs (amx_linear_into, avx512_bf16_linear_into), and 16
     decodes give the bits of one thread's run."""
@@ -190,25 +198,7 @@ def test_bf16_decode_layers_on_a_tile_kernel_run_16_rows_in_one_region_with_one_
                                        plain_weights=[w for i in range(layers) for w in (qkv[i], o[i], gate_up[i],
                                                                                          down[i])],
                                        native_rows=rows + 1, amx_tiles=kernel == "amx")
-    width = 30
-    kv0 = torch.randn(layers, 2, rows * width + 1, kv_heads, dim, generator=g).bfloat16()
-    x = torch.randn(rows, hidden, generator=g)
-    cos, sin = torch.rand(rows, dim, generator=g), torch.rand(rows, dim, generator=g)
-    slots = torch.randperm(rows * width, generator=g).view(rows, width)
-    lengths = torch.randint(1, width + 1, (rows,), generator=g)
-
-    def run(threads):
-        kv, y, before = kv0.clone(), x.clone(), torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            h = cpu_kernels.rms_norm(x, norms[0], 1e-5).bfloat16()
-            mapping = slots[torch.arange(rows), lengths - 1]
-            return runner.run(y, h, kv, cos, sin, mapping, slots, lengths), kv
-        finally:
-            torch.set_num_threads(before)
-
-    (team, team_kv), (alone, alone_kv) = run(2), run(1)
-    assert torch.equal(team, alone) and torch.equal(team_kv, alone_kv) and not torch.equal(team, x)
+    _assert_team_is_one_thread(runner, norms[0], rows, 30, (layers, kv_heads, dim), g, torch.bfloat16)
 
 
 @needs_kernels
