@@ -111,7 +111,7 @@ def measure(loaded, engine_kwargs: dict, formats: list[str], prompt: list[int], 
     bandwidth_gbs = roof["memory_bandwidth_gbs"]
     rows = [{**_format_row(f, samples[f], reads[f], bandwidth_gbs, round_bandwidths),
              "fits_last_level_cache": f not in from_memory} for f in formats]
-    result = {"rows": rows}
+    result = {"rows": rows, "last_level_cache_mb": round(cache_bytes / 1e6)}
     if parts:
         result["parts"] = part_rows
     put(result, "round_bandwidth_gbs", round_bandwidths, scale=1e-9, digits=1)
@@ -178,7 +178,7 @@ def cmd_bench_single_stream(args) -> int:
                    "memory_bandwidth_gbs": roof["memory_bandwidth_gbs"], "engine": engine_kwargs})
     lines = [f"{cpu_model()} ({'+'.join(cpu_features())}), read bandwidth {roof['memory_bandwidth_gbs']} GB/s "
              f"stored, {cell(result, 'round_bandwidth_gbs')} GB/s read beside the rounds; last-level cache "
-             f"{last_level_cache_bytes() / 1e6:.0f} MB (a format that fits in it may beat the memory's limit)",
+             f"{result['last_level_cache_mb']} MB (a format that fits in it may beat the memory's limit)",
              format_table(result["rows"], ["format", "step_ms", "tok_s", "streamed_mb", "achieved_gbs", "limit_tok_s",
                                            "of_limit", "of_round_limit", "fits_last_level_cache"])]
     if args.parts:
