@@ -181,6 +181,22 @@ def test_each_dtype_is_compared_with_charioteer_in_the_same_dtype(monkeypatch, c
     assert rows["hf-static", "bf16"]["sarathi_speedup"] == pytest.approx(0.5, abs=0.01)
 
 
+def test_workload_c_rows_of_our_schedulers_carry_the_roofline_ceiling(monkeypatch, canned_b):
+    """C's Charioteer rows get `mfu_ceiling`, the simulator's plans of their scheduler at the roofline, above the
+    run's own MFU; HF, whose batches our scheduler does not plan, gets none."""
+    w = peers.workload_c(1000, 16)
+    _canned_runs(monkeypatch, w, {("charioteer-sarathi", "bfloat16"): 60.0, ("charioteer-orca", "bfloat16"): 60.0,
+                                  ("hf-static", "bfloat16"): 90.0})
+    roof = {"peak_matmul_gflops": 2000.0, "memory_bandwidth_gbs": 25.0, "device": "cpu", "dtype": "bfloat16"}
+    result = peers.run_peers(["C"], ["charioteer-sarathi", "charioteer-orca", "hf-static"], quick=True, repeats=1,
+                             dtypes=("bfloat16",), rooflines={"bfloat16": roof})
+    rows = {r["engine"]: r for r in result["rows"]}
+    sarathi, orca = rows["charioteer-sarathi"], rows["charioteer-orca"]
+    assert sarathi["mfu"] < sarathi["mfu_ceiling"] < 1
+    assert orca["mfu"] < orca["mfu_ceiling"] < 1 and orca["mfu_ceiling"] != sarathi["mfu_ceiling"]  # its own batches
+    assert "mfu_ceiling" not in rows["hf-static"]
+
+
 def test_int8_compares_charioteer_int8_with_llama_cpp_q8_0(monkeypatch, canned_b):
     """--dtypes float32,int8: llama.cpp runs its shipped GGUF under float32 and a Q8_0 copy under int8,
     each against charioteer-sarathi in that dtype; HF has no int8 here and says so."""

@@ -206,3 +206,25 @@ def test_nnls_keeps_coefficients_of_a_step_costs_scales():
         assert (x >= 0).all() and a @ x == pytest.approx(b, rel=1e-6)
         assert x[identifiable] == pytest.approx(true[identifiable], rel=1e-6)
         assert x[1] + x[2] == pytest.approx(true[1] + true[2], rel=1e-6)
+
+
+def test_narrow_weights_halve_a_memory_bound_gemm_and_the_weights_memory():
+    """weight_bytes (weight-only int8: 1) prices the linear layers' weight reads, not x's, y's or the KV cache."""
+    from dataclasses import replace
+
+    from charioteer.sim.memory import weight_bytes_per_device
+
+    bf16 = MODEL_PRESETS["llama-7b"]
+    int8 = replace(bf16, weight_bytes=1)
+    cluster = ClusterConfig()
+    hw = replace(A100, tile_m=1, tile_n=1)  # one row's GEMM: no tile padding, so the weights' read bounds it
+    a, b = RooflineCostModel(bf16, hw, cluster), RooflineCostModel(int8, hw, cluster)
+    n, k = 4096, 4096
+    assert b.gemm_time(1, n, k) - hw.kernel_overhead_s == pytest.approx(
+        ((k + n) * 2 + k * n) / (hw.memory_bandwidth * hw.memory_efficiency))
+    assert b.gemm_time(1, n, k) < 0.51 * a.gemm_time(1, n, k) + hw.kernel_overhead_s
+    assert b.decode_attention_time([1000]) == a.decode_attention_time([1000])
+    embeddings = 2 * bf16.embedding_params * 2
+    assert weight_bytes_per_device(int8, cluster) - embeddings == (weight_bytes_per_device(bf16, cluster) - embeddings) // 2
+    with pytest.raises(ValueError, match="weight_bytes"):
+        replace(bf16, weight_bytes=-1)

@@ -26,7 +26,8 @@ and a verdict ("not distinguishable" when the spreads overlap).
 
 tokens/s counts generated tokens; MFU counts the model FLOPs of every prompt and generated token
 (linear layers, attention, LM head rows), over wall time, over the measured fp32 matmul peak
-(`roofline.mfu`, never above 1).
+(`roofline.mfu`, never above 1). Beside C's Charioteer rows, `mfu_ceiling`: the highest MFU its
+scheduler's batches can reach at that roofline's peak and bandwidth (`bench.ceiling`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from charioteer.bench import peer_worker
+from charioteer.bench.ceiling import mfu_ceiling, model_shape_of, roofline_makespan
 from charioteer.bench.common import PRECISION_SETTINGS, choices, peak_dtype
 from charioteer.bench.e2e import Workload as PaperWorkload, balanced_pd, engine_args
 from charioteer.bench.experiments import request_flops
@@ -390,8 +392,17 @@ def _job_rows(job: dict) -> list[dict]:
         row["same_outputs_every_run"] = all(r["outputs"] == first["outputs"] for r in runs)
         row["_outputs"] = first["outputs"]
         row["_flops"] = sum(request_flops(job["config"], len(p), n) for p, n in zip(w.prompts, w.max_tokens))
+        if w.name == "C" and job["engine"] in w.engine_args:  # our scheduler's batches, which the simulator plans too
+            row["_schedule"] = (job["config"], w.engine_args[job["engine"]], [len(p) for p in w.prompts], w.max_tokens)
         rows.append(row)
     return rows
+
+
+def _ceiling(flops: float, dtype: str, roof: dict, config, engine_kwargs: dict, prompt_lens, decode_lens) -> float:
+    """The roofline's ceiling on the MFU of these requests under the engine's scheduler settings (bench.ceiling)."""
+    precision = PRECISION_SETTINGS[dtype]
+    shape = model_shape_of(config, precision["dtype"], precision.get("quantization"))
+    return mfu_ceiling(flops, roofline_makespan(shape, roof, engine_kwargs, prompt_lens, decode_lens), roof)
 
 
 def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
@@ -408,6 +419,9 @@ def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
                 row["mfu"] = None
             else:
                 put_mfu(row, "mfu", samples)
+            schedule = row.pop("_schedule", None)
+            if roof is not None and schedule is not None:
+                row["mfu_ceiling"] = round(_ceiling(row["_flops"], row["_dtype"], roof, *schedule), 3)
     ref = {(r["workload"], r["_dtype"]): r for r in ok if r["engine"] == "charioteer-sarathi"}
     for row in ok:
         sarathi = ref.get((row["workload"], row["_dtype"]))
@@ -423,7 +437,7 @@ def _settle(rows: list[dict], rooflines: dict[str, dict | None]) -> None:
 
 # ---- command line -----------------------------------------------------------------------
 
-COLUMNS = ["workload", "engine", "precision", "tokens_per_s", "total_tokens_per_s", "mfu", "sarathi_speedup",
+COLUMNS = ["workload", "engine", "precision", "tokens_per_s", "total_tokens_per_s", "mfu", "mfu_ceiling", "sarathi_speedup",
            "sarathi_verdict", "same_tokens_as_sarathi", "status"]
 
 

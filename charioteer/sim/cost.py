@@ -111,7 +111,7 @@ class RooflineCostModel(CostModel):
         if tiles >= hw.num_sms:
             flops *= math.ceil(tiles / hw.num_sms) * hw.num_sms / tiles
         compute = flops / self._flop_rate
-        memory = (m * k + k * n + m * n) * self.dtype / self._bw
+        memory = ((m * k + m * n) * self.dtype + k * n * self.model.linear_weight_bytes) / self._bw
         return max(compute, memory) + self._ovh
 
     def linear_time(self, num_tokens: int) -> float:

@@ -55,12 +55,9 @@ def weight_bytes_per_device(model: ModelShape, cluster: ClusterConfig) -> int:
     layers = layers_per_stage(model.num_layers, cluster.pp)
     worst = 0
     for s, n in enumerate(layers):
-        params = n * model.layer_params
-        if s == 0:
-            params += model.embedding_params  # input embedding
-        if s == cluster.pp - 1:
-            params += model.embedding_params  # LM head
-        worst = max(worst, params * model.dtype_bytes // cluster.tp)
+        embeddings = (s == 0) + (s == cluster.pp - 1)  # the input embedding, the LM head
+        nbytes = n * model.layer_params * model.linear_weight_bytes + embeddings * model.embedding_params * model.dtype_bytes
+        worst = max(worst, int(nbytes) // cluster.tp)
     return worst
 
 

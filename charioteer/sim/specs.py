@@ -36,7 +36,8 @@ class ModelShape:
     """The shape of a decoder-only transformer, as far as cost and memory go.
 
     `mlp_matrices` is 2 for a GELU MLP (GPT-3: up, down) and 3 for a gated SwiGLU MLP (LLaMA:
-    gate, up, down). Weights and KV cache are `dtype_bytes` each (2 = fp16/bf16).
+    gate, up, down). Weights and KV cache are `dtype_bytes` each (2 = fp16/bf16), except that the linear
+    layers' weights take `weight_bytes` each where they are narrower (weight-only int8: 1; 0: `dtype_bytes`).
     """
 
     name: str
@@ -50,6 +51,7 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size // num_heads
     max_position: int = 4096
     dtype_bytes: int = 2
+    weight_bytes: float = 0
 
     def __post_init__(self) -> None:
         _positive(f"model {self.name}", num_layers=self.num_layers, num_heads=self.num_heads,
@@ -60,8 +62,15 @@ class ModelShape:
         _positive(f"model {self.name}", head_dim=config.head_dim)
         object.__setattr__(self, "head_dim", config.head_dim)
         object.__setattr__(self, "_config", config)
+        if self.weight_bytes < 0:
+            raise ValueError(f"model {self.name}: weight_bytes must be >= 0 (0: dtype_bytes), got {self.weight_bytes}")
         if self.mlp_matrices not in (2, 3):
             raise ValueError(f"model {self.name}: mlp_matrices must be 2 (GELU) or 3 (gated), got {self.mlp_matrices}")
+
+    @property
+    def linear_weight_bytes(self) -> float:
+        """Bytes of one linear layer weight element."""
+        return self.weight_bytes or self.dtype_bytes
 
     @property
     def q_size(self) -> int:
@@ -179,7 +188,7 @@ def _parse_model_shape(spec: str) -> ModelShape:
     keys = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "intermediate_size",
             "intermediate": "intermediate_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
             "vocab": "vocab_size", "mlp": "mlp_matrices", "head_dim": "head_dim", "context": "max_position",
-            "dtype_bytes": "dtype_bytes"}
+            "dtype_bytes": "dtype_bytes", "weight_bytes": "weight_bytes"}
     fields: dict = {"name": "custom", "vocab_size": 32000}
     for part in spec.split(","):
         key, _, value = part.partition("=")
