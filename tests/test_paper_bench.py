@@ -111,9 +111,11 @@ def test_e2e_and_decode_speedup_json_contracts(capsys):
         assert lo <= r["throughput_tok_s"] <= hi and r["vs_request_level"] in VERDICTS
         assert 0 <= r["mfu_spread"][0] <= r["mfu"] <= r["mfu_spread"][1] <= 1
         assert (r["policy"] == "sarathi") == ("vs_orca_best" in r)
+        assert 0 < r["mfu_ceiling"] <= 1 and r["roofline_gain"] > 0  # the same batches at the roofline alone
+    assert all(p["roofline_peak_pd"] in (2.0, 5.33) for p in out["peaks"]) and out["peaks"]
     # request-level against itself: ratio 1 and never a win
     assert all(r["gain_vs_request_level"] == 1.0 and r["vs_request_level"] == "not distinguishable"
-               for r in out["rows"] if r["policy"] == "request-level")
+               and r["roofline_gain"] == 1.0 for r in out["rows"] if r["policy"] == "request-level")
     assert {r["pd_ratio"] for r in out["rows"]} == {2.0, 5.33}  # the grid point and C/(B-1)
 
     rc = main(["bench", "decode-speedup", "--model", "synthetic:tiny", "--json", "--seq-lens", "64",

@@ -30,6 +30,11 @@ def roofline_hardware(roof: dict) -> HardwareSpec:
                         memory_efficiency=1.0, kernel_overhead_s=0.0)
 
 
+def priced(dtype: str, quantization: str | None = None) -> bool:
+    """Whether the simulator's shapes price this precision (GGUF's block formats: not yet)."""
+    return dtype in DTYPE_BYTES and (quantization is None or quantization in WEIGHT_BYTES)
+
+
 def model_shape_of(config: ModelConfig, dtype: str, quantization: str | None = None) -> ModelShape:
     """The simulator's shape of an engine model in a precision (`PRECISION_SETTINGS`' dtype and quantization)."""
     if dtype not in DTYPE_BYTES:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from charioteer.bench.batch_timer import BatchShape, BatchTimer
-from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, pd_grid, run_e2e
+from charioteer.bench.ceiling import mfu_ceiling, model_shape_of, priced, roofline_makespan
+from charioteer.bench.e2e import POLICIES, Workload, balanced_pd, engine_args, pd_grid, run_e2e
 from charioteer.bench.roofline import mfu
 from charioteer.bench.stats import compare, interleaved, median, put, put_mfu
 from charioteer.model.config import ModelConfig
@@ -258,7 +259,7 @@ def e2e(setup: Setup, chunk_sizes=(17, 33, 49), pd_ratios=(0.5, 1, 2, 4, 8, 16),
     """
     grid = pd_grid(list(chunk_sizes), batch_size, list(pd_ratios))
     warm_up(setup, seq_len, batch_size)
-    rows = []
+    rows, points = [], []
     for pd in grid:
         workload = Workload(seq_len, pd, num_requests)
         balanced = any(math.isclose(pd, round(balanced_pd(c, batch_size), 2)) for c in chunk_sizes)
@@ -269,7 +270,10 @@ def e2e(setup: Setup, chunk_sizes=(17, 33, 49), pd_ratios=(0.5, 1, 2, 4, 8, 16),
         point = e2e_runs(setup, configs, batch_size, workload, repeats, op_breakdown=balanced, progress=progress)
         _gains(point, balanced_pd, batch_size)
         rows += point.values()
+        points.append((point, workload))
     setup.settle_mfu()
+    for point, workload in points:
+        _roofline_bounds(setup, point, workload, batch_size)
     return {"batch_size": batch_size, "seq_len": seq_len, "num_requests": num_requests, "repeats": repeats,
             "chunk_sizes": list(chunk_sizes), "pd_ratios": grid, "rows": rows, "peaks": _peaks(rows, chunk_sizes, batch_size)}
 
@@ -287,6 +291,24 @@ def _gains(point: dict, balanced, batch_size: int) -> None:
                     verdict_name="vs_orca_best")
 
 
+def _roofline_bounds(setup: Setup, point: dict, workload: Workload, batch_size: int) -> None:
+    """Each row's `mfu_ceiling` and `roofline_gain` (over request-level): its policy's batches, as the simulator
+    plans them with the engine's scheduler, each at the roofline alone (bench.ceiling): where the measured curve
+    can peak at all on this machine. None for a precision the simulator does not price (GGUF blocks)."""
+    if not priced(**setup.precision):
+        return
+    shape = model_shape_of(setup.loaded.config, **setup.precision)
+    n, flops = workload.num_requests, workload_flops(setup, workload)
+    spans = {key: roofline_makespan(shape, setup.roofline, engine_args(key[0], key[1], batch_size, workload,
+                                                                       setup.device).to_kwargs(),
+                                    [workload.prompt_len] * n, [workload.decode_len] * n) for key in point}
+    baseline = next((t for (policy, _), t in spans.items() if policy == "request-level"), None)
+    for key, row in point.items():
+        row["mfu_ceiling"] = round(mfu_ceiling(flops, spans[key], setup.roofline), 3)
+        if baseline is not None:
+            row["roofline_gain"] = round(baseline / spans[key], 3)
+
+
 def _peaks(rows: list[dict], chunk_sizes, batch_size: int) -> list[dict]:
     peaks = []
     for c in chunk_sizes:
@@ -298,7 +320,8 @@ def _peaks(rows: list[dict], chunk_sizes, batch_size: int) -> list[dict]:
                           "peak_gain": best["gain_vs_request_level"],
                           "peak_gain_spread": best["gain_vs_request_level_spread"],
                           "peak_vs_request_level": best["vs_request_level"],
-                          "peak_within_30pct": abs(best["pd_ratio"] - target) <= 0.3 * target})
+                          "peak_within_30pct": abs(best["pd_ratio"] - target) <= 0.3 * target,
+                          "roofline_peak_pd": max(mine, key=lambda r: r.get("roofline_gain", 0))["pd_ratio"]})
     return peaks
 
 

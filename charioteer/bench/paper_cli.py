@@ -18,7 +18,9 @@ from charioteer.bench.stats import cell
 DECODE_SPEEDUP_COLUMNS = ["seq_len", "batch_size", "decode_speedup", "verdict", "baseline_decode_ms_per_token",
                           "hybrid_decode_ms_per_token", "baseline_mfu", "hybrid_mfu"]
 E2E_COLUMNS = ["policy", "chunk_size", "pd_ratio", "throughput_tok_s", "gain_vs_request_level", "vs_request_level",
-               "gain_vs_orca_best", "vs_orca_best", "mfu", "piggybacked_decode_fraction"]
+               "gain_vs_orca_best", "vs_orca_best", "mfu", "roofline_gain", "mfu_ceiling", "piggybacked_decode_fraction"]
+PEAK_COLUMNS = ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level", "peak_within_30pct",
+                "roofline_peak_pd"]
 CHUNK_ABLATION_COLUMNS = ["chunk_size", "prefill_attention_ms", "attention_speedup", "prefill_total_ms",
                           "prefill_speedup", "prefill_speedup_verdict", "pd_ratio", "e2e_speedup", "e2e_verdict"]
 from charioteer.config import add_setting_args
@@ -81,11 +83,12 @@ def format_e2e(result: dict) -> str:
     lines = [f"Figures 9, 11: end-to-end throughput, L = {result['seq_len']}, B = {result['batch_size']}, "
              f"{result['num_requests']} requests (paper, 1K, B = 18: sarathi C=256 peaks at 1.27x near P:D 14; "
              f"Orca best case 1.11x, worst case 1.0x); median [min, max] of {result['repeats']} interleaved runs; "
-             "gains are ratios of medians, verdicts from the spreads",
+             "gains are ratios of medians, verdicts from the spreads; roofline_gain and mfu_ceiling: each policy's "
+             "batches (the simulator planning them with the engine's scheduler) at the roofline's peak and bandwidth "
+             "alone, the most this machine allows",
              format_table(result["rows"], E2E_COLUMNS), "",
              "P:D of the peak against the balanced point C/(B-1):",
-             format_table(result["peaks"], ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level",
-                                            "peak_within_30pct"]) if result["peaks"] else
+             format_table(result["peaks"], PEAK_COLUMNS) if result["peaks"] else
              "  none: the gains are against request-level, which --policies left out"]
     breakdown = [r for r in result["rows"] if "ops_s" in r and r["policy"] in ("request-level", "sarathi")]
     if breakdown:

@@ -164,17 +164,18 @@ def write_report(r: dict, out: str) -> dict:
         "",
         f"L = {r['e2e']['seq_len']}, B = {r['e2e']['batch_size']}, {r['e2e']['num_requests']} requests per run, all "
         "arriving at once. Gain is median throughput over request-level's at the same P:D (and, for sarathi, over "
-        "Orca's best case). Paper (1K, B = 18): sarathi peaks at 1.27x (C = 256, P:D 14), 1.23x (C = 512), 1.10x "
+        "Orca's best case). roofline_gain and mfu_ceiling: the same batches at the roofline's peak and bandwidth "
+        "alone (`bench/ceiling.py`). Paper (1K, B = 18): sarathi peaks at 1.27x (C = 256, P:D 14), 1.23x (C = 512), 1.10x "
         "(C = 128); Orca best case 1.11x, worst case 1.0x.",
         "",
         _md(r["e2e"]["rows"], ["policy", "chunk_size", "pd_ratio", "throughput_tok_s", "gain_vs_request_level",
-                               "vs_request_level", "gain_vs_orca_best", "vs_orca_best", "mfu",
-                               "piggybacked_decode_fraction"]),
+                               "vs_request_level", "gain_vs_orca_best", "vs_orca_best", "mfu", "roofline_gain",
+                               "mfu_ceiling", "piggybacked_decode_fraction"]),
         "",
         "Peak P:D against C/(B-1):",
         "",
         _md(r["e2e"]["peaks"], ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level",
-                                "peak_within_30pct"]),
+                                "peak_within_30pct", "roofline_peak_pd"]),
         "",
         "At the balanced points (Figure 11a):",
         "",
