@@ -309,6 +309,12 @@ def _roofline_bounds(setup: Setup, point: dict, workload: Workload, batch_size: 
             row["roofline_gain"] = round(baseline / spans[key], 3)
 
 
+def _roofline_peak(rows: list[dict]) -> float | None:
+    """The P:D of the rows' largest roofline gain; None where none has one (an unpriced precision)."""
+    priced_rows = [r for r in rows if r.get("roofline_gain") is not None]
+    return max(priced_rows, key=lambda r: r["roofline_gain"])["pd_ratio"] if priced_rows else None
+
+
 def _peaks(rows: list[dict], chunk_sizes, batch_size: int) -> list[dict]:
     peaks = []
     for c in chunk_sizes:
@@ -321,7 +327,7 @@ def _peaks(rows: list[dict], chunk_sizes, batch_size: int) -> list[dict]:
                           "peak_gain_spread": best["gain_vs_request_level_spread"],
                           "peak_vs_request_level": best["vs_request_level"],
                           "peak_within_30pct": abs(best["pd_ratio"] - target) <= 0.3 * target,
-                          "roofline_peak_pd": max(mine, key=lambda r: r.get("roofline_gain", 0))["pd_ratio"]})
+                          "roofline_peak_pd": _roofline_peak(mine)})
     return peaks
 
 
