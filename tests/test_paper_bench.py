@@ -131,6 +131,23 @@ def test_e2e_and_decode_speedup_json_contracts(capsys):
         assert r["hybrid_mfu_spread"][1] <= 1 and r["baseline_mfu_spread"][1] <= 1
 
 
+def test_peaks_name_the_roofline_peak_only_where_rows_are_priced():
+    """Each chunk size's measured peak beside the roofline's; a run the simulator does not price (GGUF blocks)
+    names no roofline peak rather than a row's P:D picked by default."""
+    from charioteer.bench.experiments import _peaks
+
+    def row(pd, gain, roofline=None):
+        r = {"policy": "sarathi", "chunk_size": 16, "pd_ratio": pd, "gain_vs_request_level": gain,
+             "gain_vs_request_level_spread": [gain, gain], "vs_request_level": "not distinguishable"}
+        return r if roofline is None else {**r, "roofline_gain": roofline}
+
+    priced = _peaks([row(1.0, 0.9, 1.1), row(2.0, 1.0, 1.3), row(4.0, 0.8, 1.2)], [16], batch_size=9)[0]
+    assert (priced["peak_pd"], priced["roofline_peak_pd"], priced["balanced_pd"]) == (2.0, 2.0, 2.0)
+    assert priced["peak_within_30pct"]
+    unpriced = _peaks([row(1.0, 0.9), row(4.0, 1.1)], [16], batch_size=9)[0]
+    assert unpriced["peak_pd"] == 4.0 and unpriced["roofline_peak_pd"] is None
+
+
 def test_e2e_prints_its_table_without_request_level(capsys):
     # no gains without the baseline, so no peaks either: the table still prints, and says why
     rc = main(["bench", "e2e", "--model", "synthetic:tiny", "--chunk-sizes", "16", "--pd-ratios", "2",
