@@ -13,14 +13,9 @@ from charioteer.bench import experiments as ex
 from charioteer.bench.common import (add_setup_args, check_repeats, emit, float_list, format_table, int_list,
                                      load_setup, prepare_device, progress_bar, run_meta)
 from charioteer.bench.e2e import POLICIES
+from charioteer.bench.report import DECODE_SPEEDUP_COLUMNS, E2E_COLUMNS, PEAK_COLUMNS
 from charioteer.bench.stats import cell
 
-DECODE_SPEEDUP_COLUMNS = ["seq_len", "batch_size", "decode_speedup", "verdict", "baseline_decode_ms_per_token",
-                          "hybrid_decode_ms_per_token", "baseline_mfu", "hybrid_mfu"]
-E2E_COLUMNS = ["policy", "chunk_size", "pd_ratio", "throughput_tok_s", "gain_vs_request_level", "vs_request_level",
-               "gain_vs_orca_best", "vs_orca_best", "mfu", "roofline_gain", "mfu_ceiling", "piggybacked_decode_fraction"]
-PEAK_COLUMNS = ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level", "peak_within_30pct",
-                "roofline_peak_pd"]
 CHUNK_ABLATION_COLUMNS = ["chunk_size", "prefill_attention_ms", "attention_speedup", "prefill_total_ms",
                           "prefill_speedup", "prefill_speedup_verdict", "pd_ratio", "e2e_speedup", "e2e_verdict"]
 from charioteer.config import add_setting_args

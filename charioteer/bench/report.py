@@ -5,6 +5,14 @@ import os
 
 from charioteer.bench.stats import FASTER, SPREAD, cell
 
+# The columns of the experiments' tables, in the report and on the command line alike (paper_cli).
+DECODE_SPEEDUP_COLUMNS = ["seq_len", "batch_size", "decode_speedup", "verdict", "baseline_decode_ms_per_token",
+                          "hybrid_decode_ms_per_token", "baseline_mfu", "hybrid_mfu"]
+E2E_COLUMNS = ["policy", "chunk_size", "pd_ratio", "throughput_tok_s", "gain_vs_request_level", "vs_request_level",
+               "gain_vs_orca_best", "vs_orca_best", "mfu", "roofline_gain", "mfu_ceiling", "piggybacked_decode_fraction"]
+PEAK_COLUMNS = ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level", "peak_within_30pct",
+                "roofline_peak_pd"]
+
 
 def _plt():
     import matplotlib
@@ -156,9 +164,7 @@ def write_report(r: dict, out: str) -> dict:
         f"({s['decode_speedup_at_max_bs_verdict']}) (L = {s['decode_speedup_seq_len']}). Verdict: a piggybacked "
         "decode against a decode alone.",
         "",
-        _md(r["decode_speedup"]["rows"], ["seq_len", "batch_size", "decode_speedup", "verdict",
-                                          "baseline_decode_ms_per_token", "hybrid_decode_ms_per_token",
-                                          "baseline_mfu", "hybrid_mfu"]),
+        _md(r["decode_speedup"]["rows"], DECODE_SPEEDUP_COLUMNS),
         "",
         "## Figures 9 and 11: end-to-end throughput",
         "",
@@ -168,14 +174,11 @@ def write_report(r: dict, out: str) -> dict:
         "alone (`bench/ceiling.py`). Paper (1K, B = 18): sarathi peaks at 1.27x (C = 256, P:D 14), 1.23x (C = 512), 1.10x "
         "(C = 128); Orca best case 1.11x, worst case 1.0x.",
         "",
-        _md(r["e2e"]["rows"], ["policy", "chunk_size", "pd_ratio", "throughput_tok_s", "gain_vs_request_level",
-                               "vs_request_level", "gain_vs_orca_best", "vs_orca_best", "mfu", "roofline_gain",
-                               "mfu_ceiling", "piggybacked_decode_fraction"]),
+        _md(r["e2e"]["rows"], E2E_COLUMNS),
         "",
         "Peak P:D against C/(B-1):",
         "",
-        _md(r["e2e"]["peaks"], ["chunk_size", "balanced_pd", "peak_pd", "peak_gain", "peak_vs_request_level",
-                                "peak_within_30pct", "roofline_peak_pd"]),
+        _md(r["e2e"]["peaks"], PEAK_COLUMNS),
         "",
         "At the balanced points (Figure 11a):",
         "",
