@@ -944,6 +944,18 @@ def test_amx_prefill_attention_is_causal_attention_within_sdpas_bf16_error(isa):
         return cpu_kernels.amx_prefill_attention(q, k, v, start, scale, out=out, isa=isa)
 
     q, k, v, start = _within_sdpas_bf16_error(attend, ((9, 3, 64), (4, 4, 128), (4, 2, 32)))
+    # KV heads that divide among the threads are laid out one at a time per thread, others all first: the
+    # same bits (3 KV heads on 1 thread, then on 2)
+    chunk = [torch.randn(rows, heads, 64).bfloat16() for rows, heads in ((70, 9), (100, 3), (100, 3))]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(attend(*chunk, 30, 0.125, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*results)
     # fp32 q is rounded to bf16 as each block takes it (to nearest even, as .to): the bits of q rounded first
     wide_q = q.float() + torch.randn(q.shape) * 1e-3
     assert torch.equal(attend(wide_q, k, v, start, 0.125, None), attend(wide_q.bfloat16(), k, v, start, 0.125, None))
@@ -1035,7 +1047,7 @@ def test_prompt_chunks_attend_in_the_vector_kernel_unless_amx_tiles_or_its_switc
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason=f"AMX tiles: {cpu_kernels.amx_unavailable_reason()}")
 def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(monkeypatch):
     from charioteer.model.config import ModelConfig
-    from charioteer.model.llama import AMX_MAX_ROWS, NATIVE_BF16_MIN_ROWS, Kernels, NarrowLinear
+    from charioteer.model.llama import AMX_MAX_ROWS, NATIVE_BF16_MIN_ROWS, Kernels, NarrowLinear, amx_attention_enabled
 
     config = ModelConfig(name="t", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
                          num_kv_heads=1)
@@ -1043,14 +1055,18 @@ def test_widened_bf16_runs_amx_tiles_below_torchs_gemm_and_amx_0_turns_them_off(
     monkeypatch.setenv("CHARIOTEER_NATIVE_BF16_GEMM", "1")
     kernels = Kernels.choose(config, torch.device("cpu"), torch.bfloat16)
     assert kernels.tile_kernel == "amx" and kernels.native_bf16_rows == AMX_MAX_ROWS + 1
-    # prompt attention on the tiles: by default only where query heads share their KV heads (3 or more)
-    assert not kernels.amx_attention
+    # prompt attention on the tiles by default, for one query head per KV head as for several
+    assert kernels.amx_attention
     grouped = dataclasses.replace(config, num_heads=3, hidden_size=192)
     assert Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16).amx_attention
     monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "1")
-    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == dataclasses.replace(kernels, amx_attention=True)
+    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == kernels
     monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "0")
+    assert Kernels.choose(config, torch.device("cpu"), torch.bfloat16) == dataclasses.replace(kernels, amx_attention=False)
     assert not Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16).amx_attention
+    monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "1")  # head sizes the kernel cannot run stay on SDPA
+    assert not amx_attention_enabled(dataclasses.replace(config, hidden_size=48, head_dim=48))
+    assert not amx_attention_enabled(dataclasses.replace(config, hidden_size=256, head_dim=256))
     monkeypatch.setenv("CHARIOTEER_AMX_ATTENTION", "yes")
     with pytest.raises(ValueError, match="none of 0, 1, auto"):
         Kernels.choose(grouped, torch.device("cpu"), torch.bfloat16)

@@ -213,27 +213,17 @@ def tile_linear_int8(kernel: str):
     return {"amx": cpu_kernels.amx_linear_int8, "avx512_bf16": cpu_kernels.avx512_bf16_linear_int8}[kernel]
 
 
-# Query heads per KV head from which prompt chunks attend on AMX tiles by default, at head_dim 64.
-# The kernel packs each KV head's K and V in tile order per call, which pays only where several query
-# heads share them. Against torch's SDPA in bf16 on a Xeon with AMX, 2 threads, chunks of 17-512 at
-# positions 0-1024 (median of 7): SmolLM2's 9 heads on 3 (dim 64) 1.2-1.9x; 16 on 8 (dim 64)
-# 0.51-1.18x; 32 on 8 (dim 128) 0.61-1.19x; LLaMA-7B's 32 on 32 (dim 128) 0.34-0.71x, where packing
-# 16.8 MB of a 1024-token context alone took 4.5 ms.
-AMX_ATTENTION_MIN_GROUP = 3
-
-
 def amx_attention_enabled(config: ModelConfig) -> bool:
     """Whether prompt chunks attend on AMX tiles (cpu_kernels.amx_prefill_attention) where the tile
-    kernels run. CHARIOTEER_AMX_ATTENTION=0 keeps torch's SDPA; =1 takes the kernel for any head
-    size it runs (a multiple of 32 up to 128); auto (the default) where it was measured faster:
-    head_dim 64 and AMX_ATTENTION_MIN_GROUP query heads or more per KV head."""
+    kernels run: for any head size the kernel runs (a multiple of 32 up to 128), unless
+    CHARIOTEER_AMX_ATTENTION=0 keeps torch's SDPA (=1 and auto, the default, take the kernel). Against
+    SDPA in bf16 on a Xeon with AMX, 2 threads, chunks of 17-512 at positions 0-1024 (median of 5):
+    LLaMA-7B's 32 heads on 32 (dim 128) 1.4-2.9x, 32 on 8 (dim 128) 1.6-3.3x, 16 on 8 (dim 64)
+    1.9-5.5x, SmolLM2's 9 on 3 (dim 64) 1.9-4.9x (BENCHMARKS.md)."""
     setting = os.environ.get("CHARIOTEER_AMX_ATTENTION", "auto").strip().lower()
     if setting not in ("0", "1", "auto"):
         raise ValueError(f"CHARIOTEER_AMX_ATTENTION={setting} is none of 0, 1, auto")
-    runs = config.head_dim % 32 == 0 and config.head_dim <= 128
-    if setting != "auto":
-        return runs and setting == "1"
-    return config.head_dim == 64 and config.num_heads // config.num_kv_heads >= AMX_ATTENTION_MIN_GROUP
+    return setting != "0" and config.head_dim % 32 == 0 and config.head_dim <= 128
 
 
 def vector_attention_enabled() -> bool:
