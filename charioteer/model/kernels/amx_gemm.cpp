@@ -16,8 +16,9 @@
 // are read from the AVX-512 panel kernel's 32-column panels, so the model keeps one copy, and widened
 // to bf16 in tile order (exact: |q| <= 127): with one pass (up to 32 rows) each k-step just before
 // its tiles use it, into two slots in L1 taken in turn, so the widening overlaps the stream and the
-// tiles; with more, each panel (a pair of column blocks) once into a buffer that stays in L2 while
-// every pass reads it. x is rounded to bf16, and the column scales multiply the fp32 sums. So int8
+// tiles; with more, the first pass widens each k-step into a copy of the panel (a pair of column
+// blocks) that stays in L2 for the later passes (widening the whole panel before the first pass left
+// its tiles idle during the stream: 48-128 rows of a LLaMA-7B layer 1.09-1.15x slower). x is rounded to bf16, and the column scales multiply the fp32 sums. So int8
 // reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing x's rows to int8
 // for AMX's int8 tiles instead ran up to 1.8x faster still, but SmolLM2's greedy tokens then agreed
 // with fp32's for 0.45 of the tokens, against 0.79.)
@@ -148,7 +149,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a
 
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
-// (cpu_kernels.pack), widened as it goes (one pass) or per panel first (more). Each pair of column
+// (cpu_kernels.pack), widened as the first pass goes (into L1 with one pass, L2 with more). Each pair of column
 // blocks runs every 32-row pass in turn (K in chunks where x's rows and the pair outgrow kL2Budget,
 // every pass over each chunk, C kept between chunks: the same sums in the same order).
 // store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows r0..
@@ -178,10 +179,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
       const int8_t* panel = static_cast<const int8_t*>(packed) + pair * k * kPairCols;  // int8 weights
       const char* b0 = nullptr;  // the pair's bf16 tiles, block 1 after block 0, where they are kept
       if constexpr (kInt8Weights) {
-        if (passes > 1) {  // widened once for every pass
-          widen_int8_steps(panel, k, 0, kb, widened.data(), widened.data() + kb * kTileElems);
-          b0 = reinterpret_cast<const char*>(widened.data());
-        }
+        if (passes > 1) b0 = reinterpret_cast<const char*>(widened.data());  // widened by pass 0, for every pass
       } else {
         b0 = static_cast<const char*>(packed) + j * block_bytes;
       }
@@ -214,6 +212,12 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
               uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
               widen_int8_steps(panel, k, t0 + t, t0 + t + 1, slot, slot + kTileElems);
               return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
+            });
+          } else if (kInt8Weights && pass == 0) {  // the first pass widens each k-step into the panel's L2 copy
+            run([&](int64_t t) {
+              uint16_t* at0 = widened.data() + (t0 + t) * kTileElems;
+              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, at0, at0 + kb * kTileElems);
+              return stored(t);
             });
           } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
             run([&](int64_t t) {
