@@ -514,7 +514,7 @@ def _stream_backends(device: torch.device, rows: int) -> list[tuple]:
 
 # (name, query heads, KV heads, head_dim, [(chunk tokens, start position)]) of bench roofline --attention
 ATTENTION_SHAPES = (("SmolLM2-135M", 9, 3, 64, ((37, 300), (128, 896), (256, 0), (256, 768), (512, 0), (512, 512))),
-                    ("LLaMA-7B", 32, 32, 128, ((17, 238), (49, 0), (49, 196), (256, 0))))
+                    ("LLaMA-7B", 32, 32, 128, ((17, 238), (49, 0), (49, 196), (113, 113), (256, 0), (128, 1024))))
 
 
 def prefill_attention_sweep(dtype: str = "float32", repeats: int = 5) -> list[dict]:
