@@ -468,7 +468,8 @@ def amx_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.
                     isa: str | None = None) -> torch.Tensor:
     """x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] on AMX tiles, for panels = pack(q) of int8 q
     (the AVX-512 build's 32-column panels, which `linear` reads too): x rounded to bf16, q widened to
-    bf16 (exactly) as the first 32-row pass's tiles use it, kept in L2 for the later passes, the products summed in fp32 as `amx_linear` sums them, then times the column's scale.
+    bf16 (exactly) as the first 32-row pass's tiles use it, kept in L2 for the later passes, the products
+    summed in fp32 as `amx_linear` sums them, then times the column's scale.
     A row's result depends on its own row of x alone."""
     return _kernels(isa).amx_linear_int8(x, panels, n, scale)
 

@@ -217,9 +217,8 @@ def amx_attention_enabled(config: ModelConfig) -> bool:
     """Whether prompt chunks attend on AMX tiles (cpu_kernels.amx_prefill_attention) where the tile
     kernels run: for any head size the kernel runs (a multiple of 32 up to 128), unless
     CHARIOTEER_AMX_ATTENTION=0 keeps torch's SDPA (=1 and auto, the default, take the kernel). Against
-    SDPA in bf16 on a Xeon with AMX, 2 threads, chunks of 17-512 at positions 0-1024 (median of 5):
-    LLaMA-7B's 32 heads on 32 (dim 128) 1.4-2.9x, 32 on 8 (dim 128) 1.6-3.3x, 16 on 8 (dim 64)
-    1.9-5.5x, SmolLM2's 9 on 3 (dim 64) 1.9-4.9x (BENCHMARKS.md)."""
+    SDPA in bf16 on a Xeon with AMX, 2 threads (`charioteer bench roofline --attention --dtype bfloat16`):
+    LLaMA-7B's chunks 1.6-2.7x faster, SmolLM2's 2.0-2.4x; two more head shapes in BENCHMARKS.md."""
     setting = os.environ.get("CHARIOTEER_AMX_ATTENTION", "auto").strip().lower()
     if setting not in ("0", "1", "auto"):
         raise ValueError(f"CHARIOTEER_AMX_ATTENTION={setting} is none of 0, 1, auto")
