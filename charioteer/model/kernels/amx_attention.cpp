@@ -203,8 +203,7 @@ void pv_blocks(Block& b, const uint16_t* v, int64_t v_block, int64_t key_step, i
                 dim * 4);
 }
 
-// One item: a block of up to 16 queries (rows row0.. of the chunk) of query head h, against its KV head's
-// packed K (kg) and V (vg), into out.
+// The chunk's queries and output as attend_block reads and writes them.
 struct Chunk {
   const uint16_t* q_bf16;
   const float* q_fp32;
@@ -223,6 +222,8 @@ uint16_t* aligned_buffer(std::vector<uint16_t>& buffer, int64_t elems) {
   return reinterpret_cast<uint16_t*>((at + 63) / 64 * 64);
 }
 
+// One item: a block of up to 16 queries (rows row0.. of the chunk) of query head h, against its KV head's
+// packed K (kg) and V (vg), into the chunk's output.
 void attend_block(Block& b, const Chunk& c, int64_t row0, int64_t h, const uint16_t* kg, const uint16_t* vg) {
   const int64_t dim = c.dim, rows = std::min(kTileRows, c.n - row0), v_block = c.padded * kTileRows;
   for (int64_t i = 0; i < kTileRows; ++i) {
@@ -288,7 +289,7 @@ void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const
                     bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, out.stride(0)};
   const auto* kin = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vin = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const int64_t blocks = (n + kTileRows - 1) / kTileRows, threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   if (kv_heads % threads == 0) {
     // Each thread packs its KV heads one at a time into its own buffer, which stays in L2 while every
     // query block of the head's group reads it: with packed heads shared, a thread's consecutive items
@@ -320,7 +321,7 @@ void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const
       else pack_values(vin + g * dim, v.stride(0), keys, padded, dim, vp + g * head_elems);
     }
   });
-  const int64_t items = blocks * heads, workers = std::min(threads, items);
+  const int64_t items = (n + kTileRows - 1) / kTileRows * heads, workers = std::min(threads, items);
   at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
     auto block = std::make_unique<Block>();
     configure_tiles({});

@@ -18,8 +18,8 @@
 // its tiles use it, into two slots in L1 taken in turn, so the widening overlaps the stream and the
 // tiles; with more, the first pass widens each k-step into a copy of the panel (a pair of column
 // blocks) that stays in L2 for the later passes (widening the whole panel before the first pass left
-// its tiles idle during the stream: 48-128 rows of a LLaMA-7B layer 1.09-1.15x slower). x is rounded to bf16, and the column scales multiply the fp32 sums. So int8
-// reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing x's rows to int8
+// its tiles idle during the stream: 48-128 rows of a LLaMA-7B layer 1.09-1.15x slower). x is rounded
+// to bf16, and the column scales multiply the fp32 sums. So int8 reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing x's rows to int8
 // for AMX's int8 tiles instead ran up to 1.8x faster still, but SmolLM2's greedy tokens then agreed
 // with fp32's for 0.45 of the tokens, against 0.79.)
 //
@@ -207,17 +207,12 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
           const auto stored = [&](int64_t t) {
             return std::pair(b0 + (t0 + t) * kTileBytes, b0 + block_bytes + (t0 + t) * kTileBytes);
           };
-          if (kInt8Weights && passes == 1) {  // one pass: each k-step widened just before its tiles use it
-            run([&](int64_t t) {
-              uint16_t* slot = ring + (t % 2) * 2 * kTileElems;
-              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, slot, slot + kTileElems);
-              return std::pair(reinterpret_cast<const char*>(slot), reinterpret_cast<const char*>(slot + kTileElems));
-            });
-          } else if (kInt8Weights && pass == 0) {  // the first pass widens each k-step into the panel's L2 copy
-            run([&](int64_t t) {
-              uint16_t* at0 = widened.data() + (t0 + t) * kTileElems;
-              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, at0, at0 + kb * kTileElems);
-              return stored(t);
+          if (kInt8Weights && pass == 0) {  // each k-step widened just before its tiles use it: with one pass
+            run([&](int64_t t) {             // into two L1 slots in turn, with more into the panel's L2 copy
+              uint16_t* at0 = passes == 1 ? ring + (t % 2) * 2 * kTileElems : widened.data() + (t0 + t) * kTileElems;
+              uint16_t* at1 = at0 + (passes == 1 ? kTileElems : kb * kTileElems);
+              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, at0, at1);
+              return std::pair(reinterpret_cast<const char*>(at0), reinterpret_cast<const char*>(at1));
             });
           } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
             run([&](int64_t t) {
