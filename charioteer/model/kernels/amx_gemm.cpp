@@ -19,9 +19,10 @@
 // tiles; with more, the first pass widens each k-step into a copy of the panel (a pair of column
 // blocks) that stays in L2 for the later passes (widening the whole panel before the first pass left
 // its tiles idle during the stream: 48-128 rows of a LLaMA-7B layer 1.09-1.15x slower). x is rounded
-// to bf16, and the column scales multiply the fp32 sums. So int8 reads a quarter of fp32's weight bytes and computes at bf16's rate. (Quantizing x's rows to int8
-// for AMX's int8 tiles instead ran up to 1.8x faster still, but SmolLM2's greedy tokens then agreed
-// with fp32's for 0.45 of the tokens, against 0.79.)
+// to bf16, and the column scales multiply the fp32 sums. So int8 reads a quarter of fp32's weight
+// bytes and computes at bf16's rate. (Quantizing x's rows to int8 for AMX's int8 tiles instead ran up
+// to 1.8x faster still, but SmolLM2's greedy tokens then agreed with fp32's for 0.45 of the tokens,
+// against 0.79.)
 //
 // Built into both ISA builds (the functions carry AMX's or AVX-512's target attribute); the
 // caller checks the CPU (cpu_kernels.amx_available) before calling, and amx_ready asks Linux for
@@ -149,9 +150,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a
 
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
 // column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
-// (cpu_kernels.pack), widened as the first pass goes (into L1 with one pass, L2 with more). Each pair of column
-// blocks runs every 32-row pass in turn (K in chunks where x's rows and the pair outgrow kL2Budget,
-// every pass over each chunk, C kept between chunks: the same sums in the same order).
+// (cpu_kernels.pack), widened as the first pass goes (into L1 with one pass, L2 with more). Each pair
+// of column blocks runs every 32-row pass in turn (K in chunks where x's rows and the pair outgrow
+// kL2Budget, every pass over each chunk, C kept between chunks: the same sums in the same order).
 // store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows r0..
 // and columns from block j on.
 template <bool kInt8Weights, typename Store>
