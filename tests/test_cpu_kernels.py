@@ -752,20 +752,49 @@ def _int8_tile_kernel(name: str, monkeypatch):
     return tile_linear_int8(name)
 
 
-@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16"])
+INT16_TOP = 32639  # amx_linear_int8's largest int16 value of a row of x (its high byte fits int8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 300), scale_x=st.sampled_from([1e-3, 1.0, 1e3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_amx_int8_is_x_quantized_per_row_to_int16_times_the_exact_weight(rows, n, k, scale_x, seed, monkeypatch):
+    """amx_linear_int8 on the panel kernel's int8 panels: each row of x quantized to int16 with its own
+    scale (x times 32639 / its largest magnitude, in fp32, to nearest even), times q exactly, times both
+    scales; so within largest / 65278 per value of the exact product (bf16's rounding would be 1/512 of
+    each value), whatever K's remainder (garbage in the tiles' tail would come out as noise), a row of
+    zeros gives zeros, and the row count (1-5 passes of 16) changes nothing."""
+    int8_linear = _int8_tile_kernel("amx", monkeypatch)
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g) * scale_x, torch.randn(n, k, generator=g)
+    x[0] = 0
+    q, scale = quantize_int8(w)
+    out = int8_linear(x, cpu_kernels.pack(q), n, scale)
+    largest = x.abs().amax(1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.full_like(largest, INT16_TOP) / largest, torch.zeros_like(largest))
+    v = torch.round(x * inverse)
+    assert v.abs().max() <= INT16_TOP
+    weight = q.double() * scale.double()[:, None]
+    quantized = ((v.double() @ weight.T) * (largest.double() / INT16_TOP)).float()
+    torch.testing.assert_close(out, quantized, rtol=1e-5, atol=1e-6 * scale_x)
+    assert torch.equal(out[0], torch.zeros(n))
+    bound = largest.double() / (2 * INT16_TOP) * weight.abs().sum(1)[None, :] * 1.01 + 1e-6 * scale_x
+    assert ((out.double() - x.double() @ weight.T).abs() <= bound).all()
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
-def test_int8_tile_kernels_are_their_bf16_product_on_the_int8_panels(kernel, rows, n, k, seed, monkeypatch):
-    """amx_linear_int8 and avx512_bf16_linear_int8 read the panel kernel's int8 panels and widen them to
-    bf16 exactly: the same bits as their bf16 GEMM on q in bf16 times the column scales, whatever K's
-    remainder (the widened tail must be zeros: garbage there would come out as NaN or noise), and within
-    fp32 rounding of x rounded to bf16 times the exact int8 weight."""
-    int8_linear = _int8_tile_kernel(kernel, monkeypatch)
+def test_avx512_bf16_int8_is_its_bf16_product_on_the_int8_panels(rows, n, k, seed, monkeypatch):
+    """avx512_bf16_linear_int8 reads the panel kernel's int8 panels and widens them to bf16 exactly: the
+    same bits as its bf16 GEMM on q in bf16 times the column scales, whatever K's remainder (the widened
+    tail must be zeros: garbage there would come out as NaN or noise), and within fp32 rounding of x
+    rounded to bf16 times the exact int8 weight."""
+    int8_linear = _int8_tile_kernel("avx512_bf16", monkeypatch)
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     q, scale = quantize_int8(w)
     out = int8_linear(x, cpu_kernels.pack(q), n, scale)
-    tiles = _tile_kernel(kernel)(x.bfloat16(), cpu_kernels.amx_pack(q.bfloat16()), n) * scale
+    tiles = _tile_kernel("avx512_bf16")(x.bfloat16(), cpu_kernels.amx_pack(q.bfloat16()), n) * scale
     assert torch.equal(out, tiles)
     exact = (x.bfloat16().double() @ (q.double() * scale.double()[:, None]).T).float()
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k**0.5)

@@ -36,11 +36,11 @@ BF16_CHUNKED_MEAN_LOGPROB_TOL = 0.03
 # attention's sums differs between a whole and a chunked prefill.
 INT8_CHUNKED_LOGPROB_TOL = 1e-3
 INT8_CHUNKED_MEAN_LOGPROB_TOL = 1e-4
-# On a tile kernel (AMX tiles or AVX512-BF16, 8 rows or more) int8's activations are rounded to bf16,
-# so a difference in the last fp32 bit may round an input to the next bf16 value, as in bf16: bf16's
-# bound. Measured on 728 tokens: 0.091 on a Xeon with AMX; 0 on a Zen 4 with AVX512-BF16 (whole and chunked
-# prefill both run every GEMM on its kernel, whose rows do not depend on their batch);
-# bounded by bf16's earlier 0.3, which no int8 run has come near.
+# On a tile kernel (8 rows or more) int8's activations are quantized per row to int16 (AMX's int8 tiles) or
+# rounded to bf16 (AVX512-BF16), so a difference in the last fp32 bit may move an input to the next value,
+# as in bf16: bf16's bound. Measured on 728 tokens: 0 on a Xeon's int8 tiles (0.091 once when AMX rounded
+# to bf16), 0 on a Zen 4 with AVX512-BF16 (whole and chunked prefill both run every GEMM on its kernel,
+# whose rows do not depend on their batch); bounded by bf16's earlier 0.3, which no int8 run has come near.
 INT8_TILES_CHUNKED_LOGPROB_TOL = 0.3
 # Whether int8 weights run a tile kernel from 8 rows here (llama.Kernels.int8_tile_kernel).
 INT8_TILES = cpu_kernels.int8_tile_kernel() is not None

@@ -53,8 +53,8 @@ PRECISION_SETTINGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bf
 
 def peak_dtype(dtype: str, quantization: str | None = None, device: str = "cpu") -> str:
     """The dtype whose measured matmul peak bounds a model's GEMMs (the roofline MFU is taken against):
-    int8 weights multiply in fp32 on the panel kernel, but in bf16 where they run on a tile-order kernel
-    (AMX tiles, AVX512-BF16)."""
+    int8 weights multiply in fp32 on the panel kernel, but at bf16's rate where they run on a tile kernel
+    (AMX's int8 tiles, two products per k-step of int16 activations; AVX512-BF16)."""
     from charioteer.model import cpu_kernels
 
     if device == "cpu" and quantization == "int8" and dtype == "float32" and cpu_kernels.int8_tile_kernel():

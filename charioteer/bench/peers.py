@@ -63,8 +63,9 @@ C_ENGINES = ("charioteer-sarathi", "charioteer-orca", "hf-static", "hf-cb")
 DTYPES = tuple(PRECISION_SETTINGS)  # --dtypes: each engine runs once per dtype it has (see below)
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8 weights, fp32 activations",
              "gguf": "the GGUF's Q4_1 weights dequantized, fp32"}  # gguf where the GGUF kernel runs: gguf_label
-# charioteer's int8 where it runs on a tile kernel (AMX, AVX512-BF16)
-INT8_TILES = "int8 weights, bf16 GEMMs from 8 rows"
+# charioteer's int8 where it runs on a tile kernel (cpu_kernels.int8_tile_kernel)
+INT8_TILES = {"amx": "int8 weights, int8 GEMMs on int16 activations from 8 rows",
+              "avx512_bf16": "int8 weights, bf16 GEMMs from 8 rows"}
 WIDENED_BF16 = "bf16 weights and KV, fp32 activations"  # charioteer's bf16 on a CPU without bf16 arithmetic
 NATIVE_GEMM_BF16 = "bf16 weights, KV and GEMMs, fp32 residual"  # ... and with it (AMX): widened + native GEMMs
 # llama.cpp runs the GGUF as it ships under gguf (else the first float dtype), and a Q8_0 copy under int8.
@@ -85,8 +86,8 @@ def precision_label(engine: str, dtype: str) -> str:
     cpu = torch.device("cpu")
     if engine.startswith("charioteer") and dtype == "bfloat16" and bf16_runs_widened(cpu):
         return NATIVE_GEMM_BF16 if native_bf16_gemm(cpu) else WIDENED_BF16
-    if engine.startswith("charioteer") and dtype == "int8" and peak_dtype("float32", "int8") == "bfloat16":
-        return INT8_TILES
+    if engine.startswith("charioteer") and dtype == "int8" and (kernel := cpu_kernels.int8_tile_kernel()):
+        return INT8_TILES[kernel]
     if engine.startswith("charioteer") and dtype == "gguf" and cpu_kernels.gguf_unavailable_reason() is None:
         return gguf_label()
     return PRECISION[dtype]

@@ -31,8 +31,8 @@ SDPA run such small shapes.
   block of 16 queries reads only the keys it sees. SmolLM2's chunks 1.4-2.4x faster than torch's
   SDPA in fp32 on a Zen 4, 2-4x in bf16 (`charioteer bench roofline --attention`;
   CHARIOTEER_VECTOR_ATTENTION=0 keeps SDPA).
-- `amx_linear_int8`: int8 weights on the same tiles, widened to bf16 as they are used
-  (`amx_int8_unavailable_reason`; CHARIOTEER_AMX_INT8=0 keeps them on the panel kernel).
+- `amx_linear_int8`: int8 weights on AMX's int8 tiles, read from the panels below, each row of x
+  quantized to int16 (`amx_int8_unavailable_reason`; CHARIOTEER_AMX_INT8=0 keeps them off the tiles).
 - `avx512_bf16_linear_int8`: int8 weights widened to bf16 per panel, then `avx512_bf16_linear`'s
   sums, where AVX512-BF16 runs and AMX does not (CHARIOTEER_AVX512_BF16=0 keeps the panel kernel):
   1.6-2.1x the panel kernel from 12 rows on a Zen 4 (llama.INT8_TILE_MIN_ROWS).
@@ -341,7 +341,7 @@ def decode_layers(attn_norm: list[torch.Tensor], qkv: list[torch.Tensor], o: lis
 
 
 AMX_FLAGS = {"amx_tile", "amx_bf16"}  # /proc/cpuinfo names
-AMX_INT8_FLAGS = AMX_FLAGS | {"avx512_bf16"}  # amx_linear_int8 widens int8 to bf16 with AVX512-BF16
+AMX_INT8_FLAGS = {"amx_tile", "amx_int8", "avx512vbmi"}  # amx_linear_int8 lays out its B tiles with vpermt2b
 
 
 def amx_unavailable_reason(isa: str | None = None, flags: set[str] = AMX_FLAGS) -> str | None:
@@ -466,19 +466,21 @@ def avx512_bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bf16_outpu
 
 def amx_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,
                     isa: str | None = None) -> torch.Tensor:
-    """x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] on AMX tiles, for panels = pack(q) of int8 q
-    (the AVX-512 build's 32-column panels, which `linear` reads too): x rounded to bf16, q widened to
-    bf16 (exactly) as the first 32-row pass's tiles use it, kept in L2 for the later passes, the products
-    summed in fp32 as `amx_linear` sums them, then times the column's scale.
+    """x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] on AMX's int8 tiles, for panels = pack(q) of
+    int8 q (the AVX-512 build's 32-column panels, which `linear` reads too): each row of x quantized to
+    int16 with one scale (its largest magnitude over 32639, rounded to nearest even) and split into
+    two signed bytes, v = 256 hi + lo; both bytes' products with q summed exactly in int32, then
+    (256 hi_sum + lo_sum) times the row's and the column's scale in fp32.
     A row's result depends on its own row of x alone."""
     return _kernels(isa).amx_linear_int8(x, panels, n, scale)
 
 
 def avx512_bf16_linear_int8(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor,
                             isa: str | None = None) -> torch.Tensor:
-    """`amx_linear_int8`'s product with AVX512-BF16's vdpbf16ps, for CPUs without AMX tiles: each panel
-    widened to bf16 once per call into a buffer every row block reads, then `avx512_bf16_linear`'s sums
-    (the same bits as it gives on q in bf16), times the column's scale."""
+    """x rounded to bf16 @ (q * scale[:, None]).T with AVX512-BF16's vdpbf16ps, for CPUs without AMX tiles
+    (`amx_linear_int8`'s panels and result): each panel widened to bf16 once per call into a buffer
+    every row block reads, then `avx512_bf16_linear`'s sums (the same bits as it gives on q in bf16),
+    times the column's scale."""
     return _kernels(isa).avx512_bf16_linear_int8(x, panels, n, scale)
 
 

@@ -196,10 +196,11 @@ def tile_linear(kernel: str):
     return {"amx": cpu_kernels.amx_linear, "avx512_bf16": cpu_kernels.avx512_bf16_linear}[kernel]
 
 
-# Rows from which int8 weights run on a tile-order bf16 GEMM (Kernels.int8_tile_kernel): the panel widened
-# to bf16, x rounded to bf16. Fewer stay on the panel kernel (int8 widened to fp32 in registers, fp32 x).
+# Rows from which int8 weights run on a tile kernel (Kernels.int8_tile_kernel): AMX's int8 tiles (x
+# quantized to int16 per row), or AVX512-BF16 (the panel widened to bf16, x rounded to bf16). Fewer stay on
+# the panel kernel (int8 widened to fp32 in registers, fp32 x) or its VNNI form.
 # Against the panel kernel, 2 threads, weights out of cache, interleaved rounds:
-# - AMX tiles (cpu_kernels.amx_linear_int8), a Xeon, 9 rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x
+# - AMX tiles when they widened q to bf16 (the int8 tiles since took 8-16 rows 1.25x faster), a Xeon, 9 rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x
 #   at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32; a LLaMA-7B layer 0.77x at 1, 1.02x at 4, 1.23x at 8, 2.4x at
 #   16, 3.6x at 32.
 # - AVX512-BF16 (cpu_kernels.avx512_bf16_linear_int8), a Zen 4, 5 rounds (3 for LLaMA-7B): SmolLM2's 30
@@ -290,7 +291,8 @@ class Int8Linear(NarrowLinear):
     kernel widens q in registers, or with `vnni` (Kernels.int8_vnni) cpu_kernels.vnni_linear_int8 takes
     those rows (x quantized to int16 per block of 128 values). With `tile_rows` and a `tile_kernel`
     (Kernels.int8_tile_kernel), a batch of that many rows or more runs that kernel on the same panels
-    instead (x rounded to bf16, q widened to bf16). Without the kernels, torch's weight-only int8 GEMM
+    instead (AMX's int8 tiles with x quantized to int16 per row, or x rounded to bf16 and q widened to
+    bf16 for AVX512-BF16). Without the kernels, torch's weight-only int8 GEMM
     runs, which on an AVX2 CPU is 5-40x slower than the fp32 panel kernel on the same shape.
     """
 

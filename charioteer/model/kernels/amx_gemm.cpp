@@ -13,16 +13,18 @@
 // in the same k order whatever the batch, so its result does not depend on the other rows.
 //
 // int8 weights (amx_linear_int8, weight-only: precision.quantize_int8's, one scale per output column)
-// are read from the AVX-512 panel kernel's 32-column panels, so the model keeps one copy, and widened
-// to bf16 in tile order (exact: |q| <= 127): with one pass (up to 32 rows) each k-step just before
-// its tiles use it, into two slots in L1 taken in turn, so the widening overlaps the stream and the
-// tiles; with more, the first pass widens each k-step into a copy of the panel (a pair of column
-// blocks) that stays in L2 for the later passes (widening the whole panel before the first pass left
-// its tiles idle during the stream: 48-128 rows of a LLaMA-7B layer 1.09-1.15x slower). x is rounded
-// to bf16, and the column scales multiply the fp32 sums. So int8 reads a quarter of fp32's weight
-// bytes and computes at bf16's rate. (Quantizing x's rows to int8 for AMX's int8 tiles instead ran up
-// to 1.8x faster still, but SmolLM2's greedy tokens then agreed with fp32's for 0.45 of the tokens,
-// against 0.79.)
+// run on the int8 tiles (tdpbssd), read from the AVX-512 panel kernel's 32-column panels, so the model
+// keeps one copy: each k-step's four panel rows become a B tile row with two byte permutes
+// (int8_tile_step), where widening them to bf16 took 9 vector instructions per 32 weights and bound the
+// kernel at 8-32 rows. x is quantized per row to int16 (its largest magnitude to kInt16Top) and each
+// value split into two signed bytes, v = 256 hi + lo: two tdpbssd per k-step, at bf16's tile rate, and
+// sums exact in int32, so a product is off from fp32's only by x's int16 rounding (1/65278 of its row's
+// largest value: 1e-5 of a random product's size, against 1e-3 with x rounded to bf16). (x as one
+// int8 byte per value ran up to 1.8x faster still, but SmolLM2's greedy tokens then agreed with fp32's
+// for 0.45 of the tokens, against 0.79.) A pass is 16 rows (C: their high and low sums); from 17 rows the
+// first pass lays the pair's B tiles out into a copy that stays in L2 for the later ones (run_int8_tiles).
+// On a LLaMA-7B layer, 2 threads, Xeon with AMX, against widening to bf16: 1.25x faster at 8-16 rows,
+// 1.0-1.1x at 32-512 (BENCHMARKS.md). Every row is computed from its own row of x alone.
 //
 // Built into both ISA builds (the functions carry AMX's or AVX-512's target attribute); the
 // caller checks the CPU (cpu_kernels.amx_available) before calling, and amx_ready asks Linux for
@@ -37,53 +39,82 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace {
 
-// 16 int8 -> 16 fp32.
-__attribute__((target("avx512f"))) inline __m512 widen_16(const int8_t* at) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
-}
+// A value v of x as int8 tiles take it: v = 256 hi + lo, both signed bytes. A row is scaled so its largest
+// magnitude becomes kInt16Top, whose high byte (round(v / 256)) still fits an int8.
+constexpr int32_t kInt16Top = 127 * 256 + 127;
 
-// Rows k and k + 1 of 16 columns as one bf16 B tile row: each column's pair side by side. Exact for
-// int8 values.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_pairs(uint16_t* dst, __m512 k0, __m512 k1) {
-  // word i of cvtne2ps2bf16(k1, k0) is column i of k0 (i < 16), column i - 16 of k1
-  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(k1, k0));
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), both));
-}
+// Byte i = 4c + j of a B tile row (column c, k offset j) from two loads of four panel rows (j 0-1 in the
+// first, 2-3 in the second; 32 columns a row): vpermt2b's indexes, for column block `block`.
+struct TileRowIndex {
+  alignas(64) uint8_t at[2][64];
+  constexpr TileRowIndex() : at() {
+    for (int block = 0; block < 2; ++block)
+      for (int i = 0; i < 64; ++i) at[block][i] = (i % 4 / 2) * 64 + (i % 2) * 32 + block * 16 + i / 4;
+  }
+};
+constexpr TileRowIndex kTileRowIndex;
 
-}  // namespace
-
-// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32], k rows) -> its two column blocks' bf16
-// B tiles, step t's at block0 and block1 + (t - t0) tiles, zero past k: tile row r of step t holds
-// k = 32t + 2r and + 1 of each column.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_int8_steps(const int8_t* panel, int64_t k,
-                                                                              int64_t t0, int64_t t1, uint16_t* block0,
-                                                                              uint16_t* block1) {
+// k-step t (64 k) of one 32-column int8 panel ([k][32], k rows) as its two column blocks' int8 B tiles, 1 KB
+// each: tile row r holds k = 64t + 4r to 64t + 4r + 3 of each column side by side, zeros past k.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void int8_tile_step(const int8_t* panel, int64_t k, int64_t t,
+                                                                           int8_t* block0, int8_t* block1) {
   constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead (from memory, one stream)
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t kk = t0 * kTileK; kk < t1 * kTileK; kk += 2) {
-    const int64_t row = (kk / kTileK - t0) * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
+  const __m512i index0 = _mm512_load_si512(kTileRowIndex.at[0]), index1 = _mm512_load_si512(kTileRowIndex.at[1]);
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const int64_t kk = t * 2 * kTileK + 4 * r;
     const int8_t* at = panel + kk * kPairCols;
-    if (kk + 1 < k) {
+    __m512i first, second;  // panel rows kk, kk + 1 and kk + 2, kk + 3
+    if (kk + 4 <= k) {
       _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
-      store_pairs(block0 + row, widen_16(at), widen_16(at + kPairCols));
-      store_pairs(block1 + row, widen_16(at + kTileN), widen_16(at + kPairCols + kTileN));
-    } else {  // the last odd k, then zeros
-      store_pairs(block0 + row, kk < k ? widen_16(at) : zero, zero);
-      store_pairs(block1 + row, kk < k ? widen_16(at + kTileN) : zero, zero);
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead + 64, _MM_HINT_T0);
+      first = _mm512_loadu_si512(at);
+      second = _mm512_loadu_si512(at + 2 * kPairCols);
+    } else {
+      const auto bytes = [&](int64_t from) {  // a mask of the bytes of rows from .. from + 1 that lie within k
+        const int64_t n = std::clamp<int64_t>((k - from) * kPairCols, 0, 64);
+        return n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+      };
+      first = _mm512_maskz_loadu_epi8(bytes(kk), at);
+      second = _mm512_maskz_loadu_epi8(bytes(kk + 2), at + 2 * kPairCols);
     }
+    _mm512_storeu_si512(block0 + 64 * r, _mm512_permutex2var_epi8(first, index0, second));
+    _mm512_storeu_si512(block1 + 64 * r, _mm512_permutex2var_epi8(first, index1, second));
   }
 }
 
-namespace {
+// One row of x (k fp32) as int8 tiles take it: its high bytes at hi, low at lo, zero from k to `width`; its
+// scale (largest magnitude / kInt16Top) at *scale.
+__attribute__((target("avx512f,avx512bw"))) void split_row(const float* x, int64_t k, int64_t width, int8_t* hi,
+                                                           int8_t* lo, float* scale) {
+  const auto lanes = [&](int64_t i) {
+    return k - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (k - i)) - 1);
+  };
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes(i), x + i)));
+  const float largest = _mm512_reduce_max_ps(top);
+  *scale = largest / kInt16Top;
+  const __m512 inverse = _mm512_set1_ps(largest > 0 ? kInt16Top / largest : 0.f);
+  const __m512i limit = _mm512_set1_epi32(kInt16Top), half = _mm512_set1_epi32(128);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 mask = lanes(i);
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), inverse));  // to nearest even
+    v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+    const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(v, half), 8);  // round(v / 256), halves up
+    _mm512_mask_cvtepi32_storeu_epi8(hi + i, mask, high);
+    _mm512_mask_cvtepi32_storeu_epi8(lo + i, mask, _mm512_sub_epi32(v, _mm512_slli_epi32(high, 8)));
+  }
+  std::memset(hi + k, 0, width - k);
+  std::memset(lo + k, 0, width - k);
+}
 
 constexpr int64_t kPassRows = 2 * kTileRows;  // rows of x per pass: C tiles 0-1 hold the first 16, 2-3 the rest
+constexpr int64_t kInt8StepBytes = 2 * kTileElems * 2;  // a k-step's int8 B tiles, both column blocks (64 k)
 constexpr int64_t kPrefetchTiles = 8;  // B tiles ahead per stream (about what memory returns during their compute)
 constexpr int64_t kTileBytes = kTileElems * 2;  // a bf16 tile: 16 rows of 64 bytes
 // Cache lines of each of the next pair's blocks prefetched into L2 per k-step of a later pass, which
@@ -106,14 +137,24 @@ void configure(int64_t rows0, int64_t rows1) {
   configure_tiles(rows);
 }
 
-// C[RT row tiles x CT column blocks], stored to c (32 floats a row), = A . B over kb k-steps, added
+// Tile c += tile a . tile b: int8 products summed in int32 (tdpbssd), else bf16 pairs in fp32 (tdpbf16ps).
+// A macro: the intrinsics name their tiles by literal numbers.
+#define TILE_DOT(c, a, b)                     \
+  do {                                        \
+    if constexpr (kInt8) _tile_dpbssd(c, a, b); \
+    else _tile_dpbf16ps(c, a, b);             \
+  } while (0)
+
+// C[RT row tiles x CT column blocks], stored to c (32 sums a row), = A . B over kb k-steps, added
 // to the C that c holds with `accumulate` (an earlier K chunk's), else from zero. A's
 // second row tile starts a_tile bytes after its first, rows a_stride bytes apart; b_tiles(k) gives
 // the two B tiles of k-step k (column blocks 0 and 1, 64-byte rows), fetching or making them.
-template <int RT, int CT, typename BTiles>
-__attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a_tile, int64_t a_stride, int64_t kb,
-                                                         const BTiles& b_tiles, float* c, bool accumulate) {
-  constexpr int64_t c_stride = kPairCols * sizeof(float);
+template <int RT, int CT, bool kInt8, typename BTiles>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const char* a, int64_t a_tile, int64_t a_stride,
+                                                                  int64_t kb, const BTiles& b_tiles,
+                                                                  std::conditional_t<kInt8, int32_t, float>* c,
+                                                                  bool accumulate) {
+  constexpr int64_t c_stride = kPairCols * sizeof(*c);
   if (accumulate) {
     _tile_loadd(0, c, c_stride);
     if (CT > 1) _tile_loadd(1, c + kTileN, c_stride);
@@ -130,60 +171,48 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const char* a, int64_t a
     const char* ak = a + k * 64;
     _tile_loadd(4, ak, a_stride);
     _tile_loadd(6, b0, 64);
-    _tile_dpbf16ps(0, 4, 6);
+    TILE_DOT(0, 4, 6);
     if (CT > 1) {
       _tile_loadd(7, b1, 64);
-      _tile_dpbf16ps(1, 4, 7);
+      TILE_DOT(1, 4, 7);
     }
     if (RT > 1) {
       _tile_loadd(5, ak + a_tile, a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if (CT > 1) _tile_dpbf16ps(3, 5, 7);
+      TILE_DOT(2, 5, 6);
+      if (CT > 1) TILE_DOT(3, 5, 7);
     }
   }
-  constexpr int64_t stride = kPairCols * sizeof(float);
+  constexpr int64_t stride = kPairCols * sizeof(*c);
   _tile_stored(0, c, stride);
   if (CT > 1) _tile_stored(1, c + kTileN, stride);
   if (RT > 1) _tile_stored(2, c + kTileRows * kPairCols, stride);
   if (RT > 1 && CT > 1) _tile_stored(3, c + kTileRows * kPairCols + kTileN, stride);
 }
+#undef TILE_DOT
 
 // y = x . w.T for x's bf16 rows at a (a_stride bytes apart, K padded to kb tiles) and a weight in nb
-// column blocks: bf16 tiles packed by amx_pack, or with kInt8Weights int8 32-column panels of k rows
-// (cpu_kernels.pack), widened as the first pass goes (into L1 with one pass, L2 with more). Each pair
-// of column blocks runs every 32-row pass in turn (K in chunks where x's rows and the pair outgrow
-// kL2Budget, every pass over each chunk, C kept between chunks: the same sums in the same order).
-// store(r0, rows, j, cols, c) writes a pass's block of C (rows x cols, 32 floats a row) for rows r0..
-// and columns from block j on.
-template <bool kInt8Weights, typename Store>
-void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, int64_t nb, int64_t kb, int64_t k,
-               int64_t n, const Store& store) {
+// column blocks of bf16 tiles packed by amx_pack. Each pair of column blocks runs every 32-row pass in
+// turn (K in chunks where x's rows and the pair outgrow kL2Budget, every pass over each chunk, C kept
+// between chunks: the same sums in the same order). store(r0, rows, j, cols, c) writes a pass's block
+// of C (rows x cols, 32 floats a row) for rows r0.. and columns from block j on.
+template <typename Store>
+void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, int64_t nb, int64_t kb, int64_t n,
+               const Store& store) {
   const int64_t passes = (m + kPassRows - 1) / kPassRows, a_tile = kTileRows * a_stride;
   const int64_t block_bytes = kb * kTileBytes;  // one column block's tiles in bf16
-  // bf16 weights with several passes: K in chunks whose x rows and pair weight fit the L2 budget, so
-  // the later passes find the pair's weight still there (at 64 rows and K = 11008 they did not)
+  // with several passes, K in chunks whose x rows and pair weight fit the L2 budget, so the later
+  // passes find the pair's weight still there (at 64 rows and K = 11008 they did not)
   const int64_t step_bytes = passes * kPassRows * kTileK * 2 + 2 * kTileBytes;
-  const int64_t chunks =
-      kInt8Weights || passes == 1 ? 1 : std::max<int64_t>(1, (kb * step_bytes + kL2Budget - 1) / kL2Budget);
+  const int64_t chunks = passes == 1 ? 1 : std::max<int64_t>(1, (kb * step_bytes + kL2Budget - 1) / kL2Budget);
   const int64_t chunk_steps = (kb + chunks - 1) / chunks;
   parallel_split((nb + 1) / 2, [&](int64_t first, int64_t last) {  // inside DecodeLayers' team: its share
     thread_local std::vector<float> cbuf;  // each pass's block of C
     if (static_cast<int64_t>(cbuf.size()) < passes * kPassRows * kPairCols)
       cbuf.resize(passes * kPassRows * kPairCols);
-    alignas(64) uint16_t ring[4 * kTileElems];  // int8 weights in one pass: two k-steps' B tiles in turn
-    thread_local std::vector<uint16_t> widened;  // int8 weights: the panel in bf16 tiles (L2-sized)
-    if (kInt8Weights && passes > 1 && static_cast<int64_t>(widened.size()) < 2 * kb * kTileElems)
-      widened.resize(2 * kb * kTileElems);
     int64_t configured = -1;  // the rows of the pass the tiles are configured for
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t j = 2 * pair, blocks = std::min<int64_t>(2, nb - j);
-      const int8_t* panel = static_cast<const int8_t*>(packed) + pair * k * kPairCols;  // int8 weights
-      const char* b0 = nullptr;  // the pair's bf16 tiles, block 1 after block 0, where they are kept
-      if constexpr (kInt8Weights) {
-        if (passes > 1) b0 = reinterpret_cast<const char*>(widened.data());  // widened by pass 0, for every pass
-      } else {
-        b0 = static_cast<const char*>(packed) + j * block_bytes;
-      }
+      const char* b0 = static_cast<const char*>(packed) + j * block_bytes;  // the pair's tiles, block 1 after 0
       const int64_t cols = std::min(kPairCols, n - j * kTileN);
       for (int64_t t0 = 0; t0 < kb; t0 += chunk_steps) {
         const int64_t steps = std::min(chunk_steps, kb - t0);
@@ -198,24 +227,17 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
           const char* arows = a + r0 * a_stride + t0 * 64;
           const auto run = [&](const auto& b_tiles) {
             if (rows > kTileRows) {
-              if (blocks == 2) block<2, 2>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
-              else block<2, 1>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              if (blocks == 2) block<2, 2, false>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              else block<2, 1, false>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
             } else {
-              if (blocks == 2) block<1, 2>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
-              else block<1, 1>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              if (blocks == 2) block<1, 2, false>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
+              else block<1, 1, false>(arows, a_tile, a_stride, steps, b_tiles, c, t0 > 0);
             }
           };
           const auto stored = [&](int64_t t) {
             return std::pair(b0 + (t0 + t) * kTileBytes, b0 + block_bytes + (t0 + t) * kTileBytes);
           };
-          if (kInt8Weights && pass == 0) {  // each k-step widened just before its tiles use it: with one pass
-            run([&](int64_t t) {             // into two L1 slots in turn, with more into the panel's L2 copy
-              uint16_t* at0 = passes == 1 ? ring + (t % 2) * 2 * kTileElems : widened.data() + (t0 + t) * kTileElems;
-              uint16_t* at1 = at0 + (passes == 1 ? kTileElems : kb * kTileElems);
-              widen_int8_steps(panel, k, t0 + t, t0 + t + 1, at0, at1);
-              return std::pair(reinterpret_cast<const char*>(at0), reinterpret_cast<const char*>(at1));
-            });
-          } else if (!kInt8Weights && pass == 0) {  // the weight from memory: prefetched ahead
+          if (pass == 0) {  // the weight from memory: prefetched ahead
             run([&](int64_t t) {
               const char* ahead0 = b0 + (t0 + t + kPrefetchTiles) * kTileBytes;
               const char* ahead1 = ahead0 + block_bytes;
@@ -225,7 +247,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
               }
               return stored(t);
             });
-          } else if (!kInt8Weights && last_chunk && pair + 1 < last) {  // later passes read the pair from L2:
+          } else if (last_chunk && pair + 1 < last) {  // later passes read the pair from L2:
             const char* next0 = static_cast<const char*>(packed) + (j + 2) * block_bytes;  // start the next pair
             const bool next_two = nb - j - 2 > 1;
             run([&](int64_t t) {
@@ -238,7 +260,7 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
               }
               return stored(t);
             });
-          } else {  // widened weights, a chunk before the last, and the thread's last pair: in L2
+          } else {  // a chunk before the last, and the thread's last pair: in L2
             run(stored);
           }
           if (last_chunk) store(r0, rows, j, cols, c);
@@ -249,7 +271,118 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
   });
 }
 
+// `count` values of T in a buffer the calling thread keeps (grown as needed), 64-byte aligned: a tile row
+// read across two cache lines costs two (a LLaMA-7B layer's int8 GEMMs at 64 rows took 21.8 or 26.6 ms from
+// one process to the next, as the buffers fell).
+template <typename T>
+T* aligned_buffer(std::vector<char>& buffer, int64_t count) {
+  const auto bytes = static_cast<size_t>(count) * sizeof(T) + 64;
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
+
+// y = x . (q * scale).T on int8 tiles for x split by split_row at a (a_stride bytes a row; group g of 16 rows
+// at a + 32 g rows: their high bytes, then their low) and q in nb column blocks of 32-column int8 panels. A
+// pass is 16 rows (C tiles 0-1 their high sums, 2-3 their low), and each pair of column blocks runs every pass
+// in turn: the first turns each k-step's panel rows into B tiles just before its tiles use them
+// (int8_tile_step), into two L1 slots in turn with one pass, else into a copy of the pair that stays in L2 for
+// the later passes, which prefetch the next pair's panel into L2 meanwhile. store(r0, rows, j, cols, c) gets
+// a pass's sums for rows r0.. and columns from block j on: c's rows 0-15 the high sums, 16-31 the low, 32
+// int32 a row.
+template <typename Store>
+void run_int8_tiles(const char* a, int64_t a_stride, int64_t m, const int8_t* panels, int64_t nb, int64_t kb,
+                    int64_t k, int64_t n, const Store& store) {
+  const int64_t passes = (m + kTileRows - 1) / kTileRows, a_tile = kTileRows * a_stride, panel_bytes = k * kPairCols;
+  const int64_t slots = passes == 1 ? 2 : kb;
+  // lines of the next pair's panel prefetched per k-step of a later pass: all of it over those passes
+  const int64_t lines = passes == 1 ? 0 : (panel_bytes / 64 + (passes - 1) * kb - 1) / ((passes - 1) * kb);
+  parallel_split((nb + 1) / 2, [&](int64_t first, int64_t last) {
+    thread_local std::vector<char> sums_buffer, tiles_buffer;
+    int32_t* cbuf = aligned_buffer<int32_t>(sums_buffer, passes * kPassRows * kPairCols);  // each pass's block of C
+    int8_t* tiles = aligned_buffer<int8_t>(tiles_buffer, slots * kInt8StepBytes);  // the pair's B tiles
+    int64_t configured = -1;  // the rows of the pass the tiles are configured for
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t j = 2 * pair, blocks = std::min<int64_t>(2, nb - j), cols = std::min(kPairCols, n - j * kTileN);
+      const int8_t* panel = panels + pair * panel_bytes;
+      const char* next = pair + 1 < last ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r0 = pass * kTileRows, rows = std::min(kTileRows, m - r0);
+        int32_t* c = cbuf + pass * kPassRows * kPairCols;
+        if (rows != configured) {
+          configure(rows, rows);
+          configured = rows;
+        }
+        const auto b_tiles = [&](int64_t t) {
+          int8_t* at = tiles + (t % slots) * kInt8StepBytes;
+          if (pass == 0) {
+            int8_tile_step(panel, k, t, at, at + kInt8StepBytes / 2);
+          } else if (next != nullptr) {
+            for (int64_t line = 0; line < lines; ++line) {
+              const int64_t offset = (((pass - 1) * kb + t) * lines + line) * 64;
+              if (offset < panel_bytes) _mm_prefetch(next + offset, _MM_HINT_T1);
+            }
+          }
+          return std::pair(reinterpret_cast<const char*>(at), reinterpret_cast<const char*>(at + kInt8StepBytes / 2));
+        };
+        const char* arows = a + 2 * r0 * a_stride;
+        if (blocks == 2) block<2, 2, true>(arows, a_tile, a_stride, kb, b_tiles, c, false);
+        else block<2, 1, true>(arows, a_tile, a_stride, kb, b_tiles, c, false);
+        store(r0, rows, j, cols, c);
+      }
+    }
+    release_tiles();
+  });
+}
+
+// A pass's sums (run_int8_tiles' c: rows x cols) as y = (256 high + low) * row_scale * column_scale, rows ldy apart.
+__attribute__((target("avx512f"))) void store_split_sums(const int32_t* c, int64_t rows, int64_t cols,
+                                                         const float* row_scale, const float* column_scale, float* y,
+                                                         int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* high = c + r * kPairCols;
+    const int32_t* low = high + kTileRows * kPairCols;
+    const __m512 scale = _mm512_set1_ps(row_scale[r]);
+    for (int64_t q = 0; q < cols; q += kTileN) {
+      const __mmask16 mask = cols - q >= kTileN ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (cols - q)) - 1);
+      // 256 high is exact, so the FMA rounds as the sum alone would
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(high + q)), _mm512_set1_ps(256.f),
+                                         _mm512_cvtepi32_ps(_mm512_loadu_si512(low + q)));
+      const __m512 out = _mm512_mul_ps(_mm512_mul_ps(sum, scale), _mm512_maskz_loadu_ps(mask, column_scale + q));
+      _mm512_mask_storeu_ps(y + r * ldy + q, mask, out);
+    }
+  }
+}
+
 }  // namespace
+
+torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                              const torch::Tensor& scale) {
+  TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
+  check_int8_panels("amx_linear_int8", x, panels, n, scale);
+  const int64_t m = x.size(0), k = x.size(1), kb = (k + 2 * kTileK - 1) / (2 * kTileK), nb = (n + kTileN - 1) / kTileN;
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const int64_t width = kb * 2 * kTileK, groups = (m + kTileRows - 1) / kTileRows;
+  const auto rows = with_rows(x);
+  const auto scales = scale.contiguous();
+  thread_local std::vector<char> split_buffer, scale_buffer;
+  // x split (each group's rows: every byte written, padding too), and each row's scale
+  int8_t* split = aligned_buffer<int8_t>(split_buffer, groups * 2 * kTileRows * width);
+  float* step = aligned_buffer<float>(scale_buffer, m);
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* hi = split + ((r / kTileRows) * 2 * kTileRows + r % kTileRows) * width;
+      split_row(rows->data_ptr<float>() + r * rows->stride(0), k, width, hi, hi + kTileRows * width, step + r);
+    }
+  });
+  const float* sw = scales.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  run_int8_tiles(reinterpret_cast<const char*>(split), width, m, panels.data_ptr<int8_t>(), nb, kb, k, n,
+                 [&](int64_t r0, int64_t rows, int64_t j, int64_t cols, const int32_t* c) {
+                   store_split_sums(c, rows, cols, step + r0, sw + j * kTileN, y + r0 * n + j * kTileN, n);
+                 });
+  return out;
+}
 
 // x as the tiles read it: bf16, K zero padded to kb tiles; read in place where it already is that
 // (rows may be strided).
@@ -329,7 +462,7 @@ void amx_linear_into(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto [a, lda] = tile_rows(x, kb);
   float* out_fp32 = bf16_output ? nullptr : result.data_ptr<float>();
   at::BFloat16* out_bf16 = bf16_output ? static_cast<at::BFloat16*>(result.data_ptr()) : nullptr;
-  run_tiles<false>(reinterpret_cast<const char*>(a), lda * 2, m, packed.data_ptr(), nb, kb, k, n,
+  run_tiles(reinterpret_cast<const char*>(a), lda * 2, m, packed.data_ptr(), nb, kb, n,
                    [&](int64_t r0, int64_t rows, int64_t j, int64_t cols, const float* c) {
                      for (int64_t r = 0; r < rows; ++r) {
                        const float* src = c + r * kPairCols;
@@ -359,30 +492,4 @@ void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Te
   TORCH_CHECK(0 < n && n <= panels.size(0) * kPairCols, "n out of range");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == torch::kFloat,
               name, " takes one fp32 scale per output column");
-}
-
-Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                   const torch::Tensor& scale) {
-  check_int8_panels(name, x, panels, n, scale);
-  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
-  return {tile_input(x, kb), scale.contiguous(), torch::empty({m, n}, x.options()), m, k, kb, (n + kTileN - 1) / kTileN};
-}
-
-torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                              const torch::Tensor& scale) {
-  TORCH_CHECK(amx_ready(), "AMX tile state was refused to this process (arch_prctl)");
-  const auto g = int8_gemm("amx_linear_int8", x, panels, n, scale);
-  if (g.m == 0) return g.out;
-  const float* sw = g.scales.data_ptr<float>();
-  float* y = g.out.data_ptr<float>();
-  run_tiles<true>(static_cast<const char*>(g.a.data_ptr()), g.a.stride(0) * 2, g.m, panels.data_ptr(), g.nb, g.kb,
-                  g.k, n,
-                  [&](int64_t r0, int64_t rows, int64_t j, int64_t cols, const float* c) {
-                    for (int64_t r = 0; r < rows; ++r) {
-                      const float* src = c + r * kPairCols;
-                      float* dst = y + (r0 + r) * n + j * kTileN;
-                      for (int64_t q = 0; q < cols; ++q) dst[q] = src[q] * sw[j * kTileN + q];
-                    }
-                  });
-  return g.out;
 }

@@ -13,9 +13,9 @@
 // the weight widened to fp32; see llama.AVX512_BF16_MAX_ROWS for this kernel's.
 //
 // int8 weights (avx512_bf16_linear_int8) come in the panel kernel's 32-column panels, as for
-// amx_linear_int8: each panel is widened to bf16 in this order once per call (widen_int8_steps, exact),
-// into a buffer that stays in L2 while every row block reads it, then summed as above and scaled per
-// column. One row's widening costs as much as its product, so the model takes it from 8 rows (1.0-1.1x
+// amx_linear_int8: each panel is widened to bf16 in amx_pack's order once per call (widen_int8_steps,
+// exact), into a buffer that stays in L2 while every row block reads it, then summed as above and scaled
+// per column. One row's widening costs as much as its product, so the model takes it from 8 rows (1.0-1.1x
 // the panel kernel there, 1.6-2.1x from 12 rows on a Zen 4: llama.INT8_TILE_MIN_ROWS).
 //
 // Every output is its own row of x times its column, summed over k in order (two products per
@@ -37,6 +37,58 @@
 #include "vec_math.h"
 
 namespace {
+
+// 16 int8 -> 16 fp32.
+__attribute__((target("avx512f"))) inline __m512 widen_16(const int8_t* at) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+}
+
+// Rows k and k + 1 of 16 columns as one bf16 B tile row: each column's pair side by side. Exact for
+// int8 values.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_pairs(uint16_t* dst, __m512 k0, __m512 k1) {
+  // word i of cvtne2ps2bf16(k1, k0) is column i of k0 (i < 16), column i - 16 of k1
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(k1, k0));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), both));
+}
+
+// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32], k rows) -> its two column blocks' bf16
+// B tiles, step t's at block0 and block1 + (t - t0) tiles, zero past k: tile row r of step t holds
+// k = 32t + 2r and + 1 of each column.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void widen_int8_steps(const int8_t* panel, int64_t k,
+                                                                              int64_t t0, int64_t t1, uint16_t* block0,
+                                                                              uint16_t* block1) {
+  constexpr int64_t kAhead = 4096;  // bytes of the panel prefetched ahead (from memory, one stream)
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t kk = t0 * kTileK; kk < t1 * kTileK; kk += 2) {
+    const int64_t row = (kk / kTileK - t0) * kTileElems + (kk % kTileK) / 2 * kTileK;  // where k = kk's pair goes
+    const int8_t* at = panel + kk * kPairCols;
+    if (kk + 1 < k) {
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
+      store_pairs(block0 + row, widen_16(at), widen_16(at + kPairCols));
+      store_pairs(block1 + row, widen_16(at + kTileN), widen_16(at + kPairCols + kTileN));
+    } else {  // the last odd k, then zeros
+      store_pairs(block0 + row, kk < k ? widen_16(at) : zero, zero);
+      store_pairs(block1 + row, kk < k ? widen_16(at + kTileN) : zero, zero);
+    }
+  }
+}
+
+// The int8 GEMM's inputs, checked: x rounded to bf16 as tile_input lays it out, the scales contiguous, the
+// fp32 output [M, n], and the sizes.
+struct Int8Gemm {
+  torch::Tensor a, scales, out;
+  int64_t m, k, kb, nb;  // x's rows and columns, K's 32-value steps, n's 16-column blocks
+};
+
+Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
+                   const torch::Tensor& scale) {
+  check_int8_panels(name, x, panels, n, scale);
+  const int64_t m = x.size(0), k = x.size(1), kb = (k + kTileK - 1) / kTileK;
+  return {tile_input(x, kb), scale.contiguous(), torch::empty({m, n}, x.options()), m, k, kb,
+          (n + kTileN - 1) / kTileN};
+}
 
 constexpr int64_t kRows = 8;                   // rows of x per block: 8 x 2 accumulators
 constexpr int64_t kPairs = kTileK / 2;         // k-pairs per k-step of the packed weight (16)

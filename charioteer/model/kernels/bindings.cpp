@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear,
         "x fp32 @ W.T for W in GGUF blocks (gguf_blocks): x quantized to int16 (or int8) per block of 32",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("vnni") = false, py::arg("out") = py::none());
-  m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX tiles for int8 panels: q widened to bf16, x rounded to it");
+  m.def("amx_linear_int8", &amx_linear_int8, "x fp32 @ (q * scale).T on AMX int8 tiles for int8 panels: x quantized per row to int16");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in vectors", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"), py::arg("out"), py::arg("bf16_products") = false);
   m.def("amx_prefill_attention", &amx_prefill_attention, "a prompt chunk's causal attention on AMX tiles");

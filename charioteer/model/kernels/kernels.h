@@ -166,10 +166,12 @@ torch::Tensor tile_gemm_output(const char* name, const torch::Tensor& x, const t
 // computes this thread's share of the columns.
 torch::Tensor avx512_bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool bf16_output,
                                  const c10::optional<torch::Tensor>& out = c10::nullopt);
-// x fp32 [M, K] rounded to bf16 @ (q * scale[:, None]).T -> fp32 [M, n], for int8 q in the AVX-512
-// build's 32-column panels (panel_linear's): each panel widened to bf16 (exact); also needs AVX512-BF16.
+// x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] on AMX's int8 tiles, for int8 q in the AVX-512 build's
+// 32-column panels (panel_linear's): each row of x quantized to int16 with its own scale, q exact, the sums exact
+// in int32; also needs AVX512-VBMI.
 torch::Tensor amx_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& scale);
-// The same product with AVX512-BF16's vdpbf16ps (avx512_bf16_gemm.cpp), as avx512_bf16_linear on q in bf16.
+// The product with x rounded to bf16 and AVX512-BF16's vdpbf16ps (avx512_bf16_gemm.cpp), as avx512_bf16_linear
+// on q in bf16 (each panel widened to it, exactly).
 torch::Tensor avx512_bf16_linear_int8(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                                       const torch::Tensor& scale);
 // x fp32 [M, K] @ (q * scale[:, None]).T -> fp32 [M, n] with AVX512-VNNI (vnni_gemm.cpp), on the same int8
@@ -202,17 +204,6 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 // The int8 GEMMs' checks of x, the 32-column panels, n and the scales (`name` is the caller's, for the messages).
 void check_int8_panels(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                        const torch::Tensor& scale);
-// Both tile-order int8 GEMMs' inputs, checked (`name` is the caller's, for the messages): x rounded to bf16 as
-// tile_input lays it out, the scales contiguous, the fp32 output [M, n], and the sizes.
-struct Int8Gemm {
-  torch::Tensor a, scales, out;
-  int64_t m, k, kb, nb;  // x's rows and columns, K's 32-value steps, n's 16-column blocks
-};
-Int8Gemm int8_gemm(const char* name, const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
-                   const torch::Tensor& scale);
-// k-steps t0 .. t1 - 1 of one 32-column int8 panel ([k][32]) widened (exactly) to its two column blocks' bf16 in
-// amx_pack's order, step t's at block0 and block1 + (t - t0) * 512 values, zero past k. Needs AVX512-BF16.
-void widen_int8_steps(const int8_t* panel, int64_t k, int64_t t0, int64_t t1, uint16_t* block0, uint16_t* block1);
 // A prompt chunk's attention (amx_attention.cpp): q bf16 [n, heads, dim] at positions start..start+n-1 against
 // k, v bf16 [start + n, kv_heads, dim], causal; writes out [n, heads, dim] (fp32 or bf16; rows may be strided).
 void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
