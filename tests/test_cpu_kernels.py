@@ -782,6 +782,21 @@ def test_amx_int8_is_x_quantized_per_row_to_int16_times_the_exact_weight(rows, n
     assert ((out.double() - x.double() @ weight.T).abs() <= bound).all()
 
 
+def test_amx_int8_gives_nan_for_a_row_holding_one_and_only_for_it(monkeypatch):
+    """A NaN anywhere in a row of x (vmaxps would drop one met before the last step) makes that row's products
+    NaN, as fp32 or bf16 arithmetic would; the other rows are what they are without it."""
+    int8_linear = _int8_tile_kernel("amx", monkeypatch)
+    x, w = torch.randn(20, 200), torch.randn(40, 200)
+    q, scale = quantize_int8(w)
+    panels = cpu_kernels.pack(q)
+    clean = int8_linear(x, panels, 40, scale)
+    x[3, 5] = x[17, 199] = float("nan")
+    out = int8_linear(x, panels, 40, scale)
+    assert out[3].isnan().all() and out[17].isnan().all()
+    rest = [i for i in range(20) if i not in (3, 17)]
+    assert torch.equal(out[rest], clean[rest])
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
 def test_avx512_bf16_int8_is_its_bf16_product_on_the_int8_panels(rows, n, k, seed, monkeypatch):

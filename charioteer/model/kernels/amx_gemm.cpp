@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -89,15 +90,20 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void int8_tile_step(const
 }
 
 // One row of x (k fp32) as int8 tiles take it: its high bytes at hi, low at lo, zero from k to `width`; its
-// scale (largest magnitude / kInt16Top) at *scale.
+// scale (largest magnitude / kInt16Top) at *scale: NaN where the row holds one, so its products are NaN.
 __attribute__((target("avx512f,avx512bw"))) void split_row(const float* x, int64_t k, int64_t width, int8_t* hi,
                                                            int8_t* lo, float* scale) {
   const auto lanes = [&](int64_t i) {
     return k - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (k - i)) - 1);
   };
   __m512 top = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes(i), x + i)));
-  const float largest = _mm512_reduce_max_ps(top);
+  __mmask16 nan = 0;  // vmaxps drops a NaN met before the last step
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(lanes(i), x + i);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const float largest = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(top);
   *scale = largest / kInt16Top;
   const __m512 inverse = _mm512_set1_ps(largest > 0 ? kInt16Top / largest : 0.f);
   const __m512i limit = _mm512_set1_epi32(kInt16Top), half = _mm512_set1_epi32(128);
