@@ -24,7 +24,7 @@
 // for 0.45 of the tokens, against 0.79.) A pass is 16 rows (C: their high and low sums); from 17 rows the
 // first pass lays the pair's B tiles out into a copy that stays in L2 for the later ones (run_int8_tiles).
 // On a LLaMA-7B layer, 2 threads, Xeon with AMX, against widening to bf16: 1.25x faster at 8-16 rows,
-// 1.0-1.1x at 32-512 (BENCHMARKS.md). Every row is computed from its own row of x alone.
+// 0.97-1.13x at 32-512 (BENCHMARKS.md). Every row is computed from its own row of x alone.
 //
 // Built into both ISA builds (the functions carry AMX's or AVX-512's target attribute); the
 // caller checks the CPU (cpu_kernels.amx_available) before calling, and amx_ready asks Linux for
