@@ -762,8 +762,8 @@ def test_amx_int8_is_x_quantized_per_row_to_int16_times_the_exact_weight(rows, n
     """amx_linear_int8 on the panel kernel's int8 panels: each row of x quantized to int16 with its own
     scale (x times 32639 / its largest magnitude, in fp32, to nearest even), times q exactly, times both
     scales; so within largest / 65278 per value of the exact product (bf16's rounding would be 1/512 of
-    each value), whatever K's remainder (garbage in the tiles' tail would come out as noise), a row of
-    zeros gives zeros, and the row count (1-5 passes of 16) changes nothing."""
+    each value), whatever K's remainder (garbage in the tiles' tail would come out as noise) and the row
+    count (1-5 passes of 16); a row of zeros gives zeros."""
     int8_linear = _int8_tile_kernel("amx", monkeypatch)
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g) * scale_x, torch.randn(n, k, generator=g)

@@ -200,9 +200,10 @@ def tile_linear(kernel: str):
 # quantized to int16 per row), or AVX512-BF16 (the panel widened to bf16, x rounded to bf16). Fewer stay on
 # the panel kernel (int8 widened to fp32 in registers, fp32 x) or its VNNI form.
 # Against the panel kernel, 2 threads, weights out of cache, interleaved rounds:
-# - AMX tiles when they widened q to bf16 (the int8 tiles since took 8-16 rows 1.25x faster), a Xeon, 9 rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x
-#   at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32; a LLaMA-7B layer 0.77x at 1, 1.02x at 4, 1.23x at 8, 2.4x at
-#   16, 3.6x at 32.
+# - AMX tiles when they widened q to bf16 (the int8 tiles since took 8-16 rows 1.25x faster), a Xeon, 9
+#   rounds: SmolLM2's 30 layers 0.79x at 1 row, 0.91x at 4, 1.17x at 8, 2.1x at 16, 2.6x at 32; a LLaMA-7B
+#   layer 0.77x at 1, 1.02x at 4, 1.23x at 8, 2.4x at 16, 3.6x at 32. Below 8 rows the int8 tiles only match
+#   vnni_linear_int8 (0.98-1.03x at 1-6 rows).
 # - AVX512-BF16 (cpu_kernels.avx512_bf16_linear_int8), a Zen 4, 5 rounds (3 for LLaMA-7B): SmolLM2's 30
 #   layers and LM head 0.51x at 1, 0.81x at 4, 1.01x at 8, 1.6x at 12-16, 1.8x at 64-256; a LLaMA-7B layer
 #   0.50x at 1, 1.12x at 8, 1.75x at 10, 1.9x at 16, 2.0-2.1x at 64-256.
@@ -292,8 +293,8 @@ class Int8Linear(NarrowLinear):
     those rows (x quantized to int16 per block of 128 values). With `tile_rows` and a `tile_kernel`
     (Kernels.int8_tile_kernel), a batch of that many rows or more runs that kernel on the same panels
     instead (AMX's int8 tiles with x quantized to int16 per row, or x rounded to bf16 and q widened to
-    bf16 for AVX512-BF16). Without the kernels, torch's weight-only int8 GEMM
-    runs, which on an AVX2 CPU is 5-40x slower than the fp32 panel kernel on the same shape.
+    bf16 for AVX512-BF16). Without the kernels, torch's weight-only int8 GEMM runs, which on an AVX2
+    CPU is 5-40x slower than the fp32 panel kernel on the same shape.
     """
 
     __slots__ = ("tile_rows", "tile_linear", "vnni")
