@@ -214,14 +214,6 @@ struct Chunk {
   int64_t out_stride;
 };
 
-// `elems` values of `buffer`, grown as needed (kept between calls: a fresh tens-of-MB tensor each call
-// pays its page faults), from a 64-byte boundary.
-uint16_t* aligned_buffer(std::vector<uint16_t>& buffer, int64_t elems) {
-  if (static_cast<int64_t>(buffer.size()) < elems + 32) buffer.resize(elems + 32);
-  const auto at = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<uint16_t*>((at + 63) / 64 * 64);
-}
-
 // One item: a block of up to 16 queries (rows row0.. of the chunk) of query head h, against its KV head's
 // packed K (kg) and V (vg), into the chunk's output.
 void attend_block(Block& b, const Chunk& c, int64_t row0, int64_t h, const uint16_t* kg, const uint16_t* vg) {
@@ -295,8 +287,8 @@ void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const
     // query block of the head's group reads it: with packed heads shared, a thread's consecutive items
     // read different heads' copies from memory (LLaMA-7B's 32 heads: 16.8 MB for 1024 keys).
     at::parallel_for(0, kv_heads, 1, [&](int64_t first, int64_t last) {
-      thread_local std::vector<uint16_t> buffer;
-      uint16_t* const kp = aligned_buffer(buffer, 2 * head_elems);
+      thread_local std::vector<char> buffer;
+      uint16_t* const kp = aligned_buffer<uint16_t>(buffer, 2 * head_elems);
       auto block = std::make_unique<Block>();
       configure_tiles({});
       for (int64_t g = first; g < last; ++g) {
@@ -311,8 +303,8 @@ void amx_prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const
   }
   // Fewer KV heads than threads, or not a multiple: every head packed once, then (query block, head)
   // items striped over the threads (later blocks see more keys), the query heads of a group sharing a copy.
-  thread_local std::vector<uint16_t> shared;
-  uint16_t* const kp = aligned_buffer(shared, 2 * kv_heads * head_elems);
+  thread_local std::vector<char> shared;
+  uint16_t* const kp = aligned_buffer<uint16_t>(shared, 2 * kv_heads * head_elems);
   uint16_t* const vp = kp + kv_heads * head_elems;
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t first, int64_t last) {
     for (int64_t job = first; job < last; ++job) {

@@ -89,17 +89,17 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void int8_tile_step(const
   }
 }
 
+// The first n of 16 lanes (all 16 from n = 16 on).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1); }
+
 // One row of x (k fp32) as int8 tiles take it: its high bytes at hi, low at lo, zero from k to `width`; its
 // scale (largest magnitude / kInt16Top) at *scale: NaN where the row holds one, so its products are NaN.
 __attribute__((target("avx512f,avx512bw"))) void split_row(const float* x, int64_t k, int64_t width, int8_t* hi,
                                                            int8_t* lo, float* scale) {
-  const auto lanes = [&](int64_t i) {
-    return k - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (k - i)) - 1);
-  };
   __m512 top = _mm512_setzero_ps();
   __mmask16 nan = 0;  // vmaxps drops a NaN met before the last step
   for (int64_t i = 0; i < k; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(lanes(i), x + i);
+    const __m512 v = _mm512_maskz_loadu_ps(first_lanes(k - i), x + i);
     top = _mm512_max_ps(top, _mm512_abs_ps(v));
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
@@ -108,7 +108,7 @@ __attribute__((target("avx512f,avx512bw"))) void split_row(const float* x, int64
   const __m512 inverse = _mm512_set1_ps(largest > 0 ? kInt16Top / largest : 0.f);
   const __m512i limit = _mm512_set1_epi32(kInt16Top), half = _mm512_set1_epi32(128);
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = lanes(i);
+    const __mmask16 mask = first_lanes(k - i);
     __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), inverse));  // to nearest even
     v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
     const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(v, half), 8);  // round(v / 256), halves up
@@ -277,16 +277,6 @@ void run_tiles(const char* a, int64_t a_stride, int64_t m, const void* packed, i
   });
 }
 
-// `count` values of T in a buffer the calling thread keeps (grown as needed), 64-byte aligned: a tile row
-// read across two cache lines costs two (a LLaMA-7B layer's int8 GEMMs at 64 rows took 21.8 or 26.6 ms from
-// one process to the next, as the buffers fell).
-template <typename T>
-T* aligned_buffer(std::vector<char>& buffer, int64_t count) {
-  const auto bytes = static_cast<size_t>(count) * sizeof(T) + 64;
-  if (buffer.size() < bytes) buffer.resize(bytes);
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-}
-
 // y = x . (q * scale).T on int8 tiles for x split by split_row at a (a_stride bytes a row; group g of 16 rows
 // at a + 32 g rows: their high bytes, then their low) and q in nb column blocks of 32-column int8 panels. A
 // pass is 16 rows (C tiles 0-1 their high sums, 2-3 their low), and each pair of column blocks runs every pass
@@ -349,7 +339,7 @@ __attribute__((target("avx512f"))) void store_split_sums(const int32_t* c, int64
     const int32_t* low = high + kTileRows * kPairCols;
     const __m512 scale = _mm512_set1_ps(row_scale[r]);
     for (int64_t q = 0; q < cols; q += kTileN) {
-      const __mmask16 mask = cols - q >= kTileN ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (cols - q)) - 1);
+      const __mmask16 mask = first_lanes(cols - q);
       // 256 high is exact, so the FMA rounds as the sum alone would
       const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(high + q)), _mm512_set1_ps(256.f),
                                          _mm512_cvtepi32_ps(_mm512_loadu_si512(low + q)));
